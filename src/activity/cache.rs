@@ -1,0 +1,99 @@
+//! The in-memory copy of the activities, refreshed from MySQL in the background.
+//!
+//! The hot path reads only this: an unknown SKU, a sale not yet open or already
+//! ended is answered without touching Redis or MySQL. The snapshot is an `Arc`
+//! swapped whole under a std `RwLock`; readers hold the lock only to clone the `Arc`,
+//! never across an `.await`, so a blocking lock is right here.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio_util::sync::CancellationToken;
+
+use super::{Activity, ActivityRepo, Window};
+
+/// How long an ended activity stays visible (to answer `ended` rather than 404).
+const KEEP_ENDED: chrono::Duration = chrono::Duration::days(7);
+
+#[derive(Default)]
+struct Snapshot {
+    /// Activities of each SKU, sorted by start.
+    by_sku: HashMap<String, Vec<Arc<Activity>>>,
+    by_id: HashMap<String, Arc<Activity>>,
+}
+
+#[derive(Clone)]
+pub struct ActivityCache {
+    repo: ActivityRepo,
+    snapshot: Arc<RwLock<Arc<Snapshot>>>,
+}
+
+impl ActivityCache {
+    pub fn new(repo: ActivityRepo) -> Self {
+        ActivityCache {
+            repo,
+            snapshot: Arc::new(RwLock::new(Arc::new(Snapshot::default()))),
+        }
+    }
+
+    fn current(&self) -> Arc<Snapshot> {
+        // A poisoned lock means a writer panicked between two whole-Arc swaps; the
+        // value inside is still a complete snapshot.
+        self.snapshot
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Reloads every activity that has not ended (or ended recently) from MySQL.
+    pub async fn refresh(&self) -> Result<(), sqlx::Error> {
+        let rows = self.repo.list_recent(Utc::now() - KEEP_ENDED).await?;
+        let mut next = Snapshot::default();
+        for a in rows {
+            let a = Arc::new(a);
+            next.by_id.insert(a.id.clone(), a.clone());
+            next.by_sku.entry(a.sku.clone()).or_default().push(a);
+        }
+        for list in next.by_sku.values_mut() {
+            list.sort_by_key(|a| a.starts_at);
+        }
+        *self.snapshot.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(next);
+        Ok(())
+    }
+
+    /// The activity a client means by this SKU now: the open one, else the next to
+    /// open, else the one that ended last.
+    pub fn for_sku(&self, sku: &str, now: DateTime<Utc>) -> Option<Arc<Activity>> {
+        let snap = self.current();
+        let list = snap.by_sku.get(sku)?;
+        if let Some(open) = list.iter().find(|a| a.window(now) == Window::Open) {
+            return Some(open.clone());
+        }
+        if let Some(next) = list.iter().find(|a| a.window(now) == Window::Upcoming) {
+            return Some(next.clone());
+        }
+        list.last().cloned()
+    }
+
+    pub fn by_id(&self, id: &str) -> Option<Arc<Activity>> {
+        self.current().by_id.get(id).cloned()
+    }
+
+    /// Refreshes every `interval` until cancelled; a failed refresh keeps the last
+    /// snapshot and is retried on the next tick.
+    pub async fn run_refresher(self, interval: Duration, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            if let Err(err) = self.refresh().await {
+                tracing::warn!(error = %err, "activity cache refresh failed; keeping the last copy");
+            }
+        }
+    }
+}

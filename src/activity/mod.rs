@@ -1,0 +1,203 @@
+//! Activities: the sale definitions stored in MySQL (the source of truth), their
+//! validation, and the in-memory cache the hot path reads instead of the database.
+
+mod cache;
+mod repo;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+pub use cache::ActivityCache;
+pub use repo::{ActivityRepo, CreateError};
+
+use crate::error::AppError;
+
+/// An activity row.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct Activity {
+    pub id: String,
+    pub sku: String,
+    pub stock: u32,
+    /// Units not yet taken by orders in MySQL.
+    pub available: i32,
+    pub per_user_limit: u32,
+    pub starts_at: DateTime<Utc>,
+    pub ends_at: DateTime<Utc>,
+    pub payment_timeout_secs: u32,
+    pub paused: bool,
+    pub created_at: DateTime<Utc>,
+}
+
+/// Where an activity stands in time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Window {
+    Upcoming,
+    Open,
+    Ended,
+}
+
+impl Activity {
+    pub fn window(&self, now: DateTime<Utc>) -> Window {
+        if now < self.starts_at {
+            Window::Upcoming
+        } else if now < self.ends_at {
+            Window::Open
+        } else {
+            Window::Ended
+        }
+    }
+}
+
+/// Body of `POST /admin/activities`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewActivity {
+    pub id: Option<String>,
+    pub sku: String,
+    pub stock: i64,
+    #[serde(default = "default_per_user_limit")]
+    pub per_user_limit: i64,
+    pub starts_at: DateTime<Utc>,
+    pub ends_at: DateTime<Utc>,
+    #[serde(default = "default_payment_timeout")]
+    pub payment_timeout_secs: i64,
+}
+
+fn default_per_user_limit() -> i64 {
+    1
+}
+
+fn default_payment_timeout() -> i64 {
+    900
+}
+
+/// Largest stock one activity may hold; far above any flash sale, far below
+/// the integer limits of Redis and MySQL.
+pub const MAX_STOCK: i64 = 10_000_000;
+/// Longest payment window: one week.
+pub const MAX_PAYMENT_TIMEOUT_SECS: i64 = 7 * 24 * 3600;
+
+/// A validated activity, ready to insert.
+#[derive(Debug, Clone)]
+pub struct ValidActivity {
+    pub id: String,
+    pub sku: String,
+    pub stock: u32,
+    pub per_user_limit: u32,
+    pub starts_at: DateTime<Utc>,
+    pub ends_at: DateTime<Utc>,
+    pub payment_timeout_secs: u32,
+}
+
+/// `[A-Za-z0-9_-]{1,64}`: activity ids and user ids.
+pub fn is_valid_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// SKUs travel in URL paths: printable ASCII without `/`, 1 to 128 characters.
+pub fn is_valid_sku(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'))
+}
+
+impl NewActivity {
+    pub fn validate(self) -> Result<ValidActivity, AppError> {
+        let id = match self.id {
+            Some(id) if is_valid_id(&id) => id,
+            Some(_) => {
+                return Err(AppError::invalid(
+                    "id must be 1 to 64 characters of A-Z, a-z, 0-9, '_' or '-'",
+                ))
+            }
+            None => uuid::Uuid::now_v7().simple().to_string(),
+        };
+        if !is_valid_sku(&self.sku) {
+            return Err(AppError::invalid(
+                "sku must be 1 to 128 characters of A-Z, a-z, 0-9, '_', '-', '.' or ':'",
+            ));
+        }
+        if !(1..=MAX_STOCK).contains(&self.stock) {
+            return Err(AppError::invalid(format!(
+                "stock must be between 1 and {MAX_STOCK}"
+            )));
+        }
+        if self.per_user_limit < 1 || self.per_user_limit > self.stock {
+            return Err(AppError::invalid(
+                "per_user_limit must be at least 1 and at most stock",
+            ));
+        }
+        if self.ends_at <= self.starts_at {
+            return Err(AppError::invalid("ends_at must be after starts_at"));
+        }
+        if !(1..=MAX_PAYMENT_TIMEOUT_SECS).contains(&self.payment_timeout_secs) {
+            return Err(AppError::invalid(format!(
+                "payment_timeout_secs must be between 1 and {MAX_PAYMENT_TIMEOUT_SECS}"
+            )));
+        }
+        // The ranges above were checked, so these conversions cannot fail.
+        let to_u32 = |v: i64| u32::try_from(v).map_err(|_| AppError::invalid("value out of range"));
+        Ok(ValidActivity {
+            id,
+            sku: self.sku,
+            stock: to_u32(self.stock)?,
+            per_user_limit: to_u32(self.per_user_limit)?,
+            // MySQL DATETIME(3) keeps milliseconds; truncate now so that what we
+            // answer equals what we store.
+            starts_at: truncate_ms(self.starts_at),
+            ends_at: truncate_ms(self.ends_at),
+            payment_timeout_secs: to_u32(self.payment_timeout_secs)?,
+        })
+    }
+}
+
+fn truncate_ms(t: DateTime<Utc>) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(t.timestamp_millis()).unwrap_or(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn new(stock: i64, limit: i64) -> NewActivity {
+        let now = Utc::now();
+        NewActivity {
+            id: None,
+            sku: "sku-1".into(),
+            stock,
+            per_user_limit: limit,
+            starts_at: now,
+            ends_at: now + chrono::Duration::hours(1),
+            payment_timeout_secs: 900,
+        }
+    }
+
+    #[test]
+    fn ids() {
+        assert!(is_valid_id("user_1-A"));
+        assert!(!is_valid_id(""));
+        assert!(!is_valid_id("a b"));
+        assert!(!is_valid_id(&"a".repeat(65)));
+        assert!(is_valid_id(&"a".repeat(64)));
+    }
+
+    #[test]
+    fn validation() {
+        assert!(new(10, 1).validate().is_ok());
+        assert!(new(0, 1).validate().is_err());
+        assert!(new(10, 0).validate().is_err());
+        assert!(new(10, 11).validate().is_err());
+        let mut a = new(10, 1);
+        a.ends_at = a.starts_at;
+        assert!(a.validate().is_err());
+        let mut a = new(10, 1);
+        a.sku = "a/b".into();
+        assert!(a.validate().is_err());
+        let generated = new(10, 1).validate().expect("valid");
+        assert!(is_valid_id(&generated.id));
+    }
+}

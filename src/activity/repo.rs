@@ -1,0 +1,149 @@
+//! MySQL access for activities.
+
+use chrono::{DateTime, Utc};
+use sqlx::MySqlPool;
+
+use super::{Activity, ValidActivity};
+
+const COLUMNS: &str = "id, sku, stock, available, per_user_limit, starts_at, ends_at, \
+                       payment_timeout_secs, paused, created_at";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    #[error("an activity with id {0} already exists")]
+    DuplicateId(String),
+    #[error("sku {sku} already has activity {other} whose window overlaps")]
+    Overlap { sku: String, other: String },
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+#[derive(Clone)]
+pub struct ActivityRepo {
+    pool: MySqlPool,
+}
+
+impl ActivityRepo {
+    pub fn new(pool: MySqlPool) -> Self {
+        ActivityRepo { pool }
+    }
+
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    /// Inserts an activity unless its SKU has another whose window overlaps.
+    /// The SKU's row in `sku_locks` is locked for the transaction, so two concurrent
+    /// creations for one SKU are checked one after the other.
+    pub async fn create(&self, a: &ValidActivity) -> Result<Activity, CreateError> {
+        // The lock row is created outside the transaction (autocommit): two
+        // transactions inserting the same new row would deadlock on it.
+        sqlx::query("INSERT IGNORE INTO sku_locks (sku) VALUES (?)")
+            .bind(&a.sku)
+            .execute(&self.pool)
+            .await?;
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SELECT sku FROM sku_locks WHERE sku = ? FOR UPDATE")
+            .bind(&a.sku)
+            .execute(&mut *tx)
+            .await?;
+        let overlapping: Option<(String,)> = sqlx::query_as(
+            "SELECT id FROM activities WHERE sku = ? AND starts_at < ? AND ends_at > ? LIMIT 1",
+        )
+        .bind(&a.sku)
+        .bind(a.ends_at)
+        .bind(a.starts_at)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some((other,)) = overlapping {
+            return Err(CreateError::Overlap {
+                sku: a.sku.clone(),
+                other,
+            });
+        }
+        let inserted = sqlx::query(
+            "INSERT INTO activities \
+             (id, sku, stock, available, per_user_limit, starts_at, ends_at, payment_timeout_secs) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&a.id)
+        .bind(&a.sku)
+        .bind(a.stock)
+        .bind(a.stock)
+        .bind(a.per_user_limit)
+        .bind(a.starts_at)
+        .bind(a.ends_at)
+        .bind(a.payment_timeout_secs)
+        .execute(&mut *tx)
+        .await;
+        match inserted {
+            Ok(_) => {}
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
+                return Err(CreateError::DuplicateId(a.id.clone()))
+            }
+            Err(e) => return Err(e.into()),
+        }
+        let activity = fetch(&mut *tx, &a.id)
+            .await?
+            .ok_or(sqlx::Error::RowNotFound)?;
+        tx.commit().await?;
+        Ok(activity)
+    }
+
+    pub async fn get(&self, id: &str) -> Result<Option<Activity>, sqlx::Error> {
+        fetch(&self.pool, id).await
+    }
+
+    /// Activities the cache keeps: every one that has not ended, and those that
+    /// ended in the last `ended_within` (so `GET /flash/{sku}` can say "ended").
+    pub async fn list_recent(&self, since: DateTime<Utc>) -> Result<Vec<Activity>, sqlx::Error> {
+        sqlx::query_as(&format!(
+            "SELECT {COLUMNS} FROM activities WHERE ends_at >= ? ORDER BY starts_at"
+        ))
+        .bind(since)
+        .fetch_all(&self.pool)
+        .await
+    }
+
+    pub async fn set_paused(&self, id: &str, paused: bool) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query("UPDATE activities SET paused = ? WHERE id = ?")
+            .bind(paused)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        // rows_affected is 0 when the value did not change too, so look it up.
+        if done.rows_affected() > 0 {
+            return Ok(true);
+        }
+        Ok(self.get(id).await?.is_some())
+    }
+
+    /// The users holding an order (of any status: a lapsed or failed order keeps the
+    /// purchase right spent) with their reservation ids, for rebuilding Redis.
+    pub async fn buyers(&self, id: &str) -> Result<Vec<(String, String)>, sqlx::Error> {
+        sqlx::query_as("SELECT user_id, reservation_id FROM orders WHERE activity_id = ?")
+            .bind(id)
+            .fetch_all(&self.pool)
+            .await
+    }
+
+    /// Order counts by status.
+    pub async fn order_counts(&self, id: &str) -> Result<Vec<(String, i64)>, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT CAST(status AS CHAR), COUNT(*) FROM orders WHERE activity_id = ? GROUP BY status",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await
+    }
+}
+
+async fn fetch<'e, E>(executor: E, id: &str) -> Result<Option<Activity>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::MySql>,
+{
+    sqlx::query_as(&format!("SELECT {COLUMNS} FROM activities WHERE id = ?"))
+        .bind(id)
+        .fetch_optional(executor)
+        .await
+}

@@ -1,0 +1,263 @@
+//! Layered, typed settings: `config/default.toml`, then `config/{FLASHSALE_ENV}.toml`
+//! when present, then `FLASHSALE__<SECTION>__<KEY>` environment variables.
+//!
+//! Secrets are `SecretString`s so they never reach a log line through `Debug`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use secrecy::{ExposeSecret, SecretString};
+use serde::Deserialize;
+
+/// The development admin token shipped in `config/default.toml`.
+pub const DEV_ADMIN_TOKEN: &str = "dev-admin-token-change-me";
+/// The development user-token secret shipped in `config/default.toml`.
+pub const DEV_USER_TOKEN_SECRET: &str = "dev-user-token-secret-change-me";
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Settings {
+    pub server: ServerSettings,
+    pub log: LogSettings,
+    pub redis: RedisSettings,
+    pub mysql: MysqlSettings,
+    pub kafka: KafkaSettings,
+    pub auth: AuthSettings,
+    pub rate_limit: RateLimitSettings,
+    pub activities: ActivitiesSettings,
+    pub consumer: ConsumerSettings,
+    pub orders: OrdersSettings,
+    pub reconcile: ReconcileSettings,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ServerSettings {
+    pub addr: String,
+    pub max_concurrency: usize,
+    pub request_timeout_ms: u64,
+    pub body_limit_bytes: usize,
+    pub shutdown_grace_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct LogSettings {
+    pub format: LogFormat,
+    pub filter: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RedisSettings {
+    pub url: String,
+    pub connection_timeout_ms: u64,
+    pub response_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct MysqlSettings {
+    /// May carry a password, hence secret.
+    pub url: SecretString,
+    pub max_connections: u32,
+    pub acquire_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct KafkaSettings {
+    pub brokers: String,
+    pub topic: String,
+    pub dead_letter_topic: String,
+    pub group_id: String,
+    pub create_topics: bool,
+    pub partitions: i32,
+    pub replication_factor: i32,
+    pub publish_timeout_ms: u64,
+    pub linger_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct AuthSettings {
+    pub admin_token: SecretString,
+    pub user_token_secret: SecretString,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RateLimitSettings {
+    pub per_ip_per_sec: u32,
+    pub per_ip_burst: u32,
+    pub per_user_per_sec: u32,
+    pub per_user_burst: u32,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ActivitiesSettings {
+    pub refresh_interval_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ConsumerSettings {
+    pub enabled: bool,
+    pub batch_size: usize,
+    pub batch_wait_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct OrdersSettings {
+    pub sweeper_enabled: bool,
+    pub sweep_interval_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ReconcileSettings {
+    pub enabled: bool,
+    pub interval_secs: u64,
+    pub pending_deadline_secs: u64,
+}
+
+/// The environment the process runs in, from `FLASHSALE_ENV` (default `development`).
+pub fn environment() -> String {
+    std::env::var("FLASHSALE_ENV").unwrap_or_else(|_| "development".to_owned())
+}
+
+impl Settings {
+    /// Loads settings from `./config` (or `FLASHSALE_CONFIG_DIR`) and the environment.
+    pub fn load() -> anyhow::Result<Self> {
+        let dir = std::env::var_os("FLASHSALE_CONFIG_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("config"));
+        Self::load_from(&dir, &environment())
+    }
+
+    /// Loads settings from the given folder for the given environment name.
+    pub fn load_from(dir: &Path, env: &str) -> anyhow::Result<Self> {
+        let settings: Settings = config::Config::builder()
+            .add_source(config::File::from(dir.join("default.toml")).required(true))
+            .add_source(config::File::from(dir.join(format!("{env}.toml"))).required(false))
+            .add_source(
+                config::Environment::with_prefix("FLASHSALE")
+                    .prefix_separator("__")
+                    .separator("__")
+                    .try_parsing(true),
+            )
+            .build()
+            .with_context(|| format!("failed to read configuration from {}", dir.display()))?
+            .try_deserialize()
+            .context("configuration is incomplete or has a value of the wrong type")?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Checks what types alone cannot.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.kafka.topic.is_empty() || self.kafka.dead_letter_topic.is_empty() {
+            bail!("kafka.topic and kafka.dead_letter_topic must not be empty");
+        }
+        if self.kafka.topic == self.kafka.dead_letter_topic {
+            bail!("kafka.dead_letter_topic must differ from kafka.topic");
+        }
+        if self.kafka.partitions < 1 || self.kafka.replication_factor < 1 {
+            bail!("kafka.partitions and kafka.replication_factor must be at least 1");
+        }
+        if self.kafka.publish_timeout_ms == 0 {
+            bail!("kafka.publish_timeout_ms must be positive");
+        }
+        if self.server.max_concurrency == 0 || self.server.request_timeout_ms == 0 {
+            bail!("server.max_concurrency and server.request_timeout_ms must be positive");
+        }
+        if self.rate_limit.per_ip_per_sec > 0 && self.rate_limit.per_ip_burst == 0 {
+            bail!("rate_limit.per_ip_burst must be positive when per_ip_per_sec is set");
+        }
+        if self.rate_limit.per_user_per_sec > 0 && self.rate_limit.per_user_burst == 0 {
+            bail!("rate_limit.per_user_burst must be positive when per_user_per_sec is set");
+        }
+        if self.orders.sweep_interval_secs == 0 || self.reconcile.interval_secs == 0 {
+            bail!("orders.sweep_interval_secs and reconcile.interval_secs must be positive");
+        }
+        if self.consumer.batch_size == 0 {
+            bail!("consumer.batch_size must be at least 1");
+        }
+        if self.auth.admin_token.expose_secret().len() < 16
+            || self.auth.user_token_secret.expose_secret().len() < 16
+        {
+            bail!("auth.admin_token and auth.user_token_secret must be at least 16 characters");
+        }
+        Ok(())
+    }
+
+    /// Refuses the development secrets in production. Called by `serve`.
+    pub fn check_production_secrets(&self, env: &str) -> anyhow::Result<()> {
+        if env != "production" {
+            return Ok(());
+        }
+        if self.auth.admin_token.expose_secret() == DEV_ADMIN_TOKEN {
+            bail!("refusing to start: auth.admin_token is the development value in production; set FLASHSALE__AUTH__ADMIN_TOKEN");
+        }
+        if self.auth.user_token_secret.expose_secret() == DEV_USER_TOKEN_SECRET {
+            bail!("refusing to start: auth.user_token_secret is the development value in production; set FLASHSALE__AUTH__USER_TOKEN_SECRET");
+        }
+        Ok(())
+    }
+}
+
+impl ServerSettings {
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_timeout_ms)
+    }
+}
+
+impl KafkaSettings {
+    pub fn publish_timeout(&self) -> Duration {
+        Duration::from_millis(self.publish_timeout_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_dir() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("config")
+    }
+
+    #[test]
+    fn default_file_loads_and_validates() {
+        let s = Settings::load_from(&config_dir(), "development").expect("default config loads");
+        assert_eq!(s.server.addr, "127.0.0.1:8080");
+        assert_eq!(s.kafka.topic, "flash.reservations");
+        assert_eq!(s.kafka.group_id, "flashsale-orders");
+        assert_eq!(s.reconcile.pending_deadline_secs, 60);
+        assert_eq!(s.orders.sweep_interval_secs, 5);
+        assert!(s.consumer.enabled);
+    }
+
+    #[test]
+    fn production_refuses_development_secrets() {
+        let s = Settings::load_from(&config_dir(), "development").expect("default config loads");
+        assert!(s.check_production_secrets("development").is_ok());
+        let err = s
+            .check_production_secrets("production")
+            .expect_err("dev secrets refused");
+        assert!(err.to_string().contains("admin_token"));
+        let mut s = s;
+        s.auth.admin_token = SecretString::from("a-real-production-admin-token");
+        let err = s
+            .check_production_secrets("production")
+            .expect_err("dev user secret refused");
+        assert!(err.to_string().contains("user_token_secret"));
+        s.auth.user_token_secret = SecretString::from("a-real-production-user-secret");
+        assert!(s.check_production_secrets("production").is_ok());
+    }
+
+    #[test]
+    fn secrets_are_not_in_debug_output() {
+        let s = Settings::load_from(&config_dir(), "development").expect("default config loads");
+        let text = format!("{s:?}");
+        assert!(!text.contains(DEV_ADMIN_TOKEN));
+        assert!(!text.contains(DEV_USER_TOKEN_SECRET));
+    }
+}

@@ -1,0 +1,156 @@
+//! Operator endpoints under `/admin`, behind the admin token.
+
+use std::collections::BTreeMap;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+use chrono::Utc;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::body;
+use crate::activity::{is_valid_id, Activity, CreateError, NewActivity, Window};
+use crate::error::{AppError, AppResult};
+use crate::state::AppState;
+
+/// `POST /admin/activities`
+pub async fn create(
+    State(state): State<AppState>,
+    raw: Result<Bytes, BytesRejection>,
+) -> AppResult<(StatusCode, Json<Activity>)> {
+    let bytes = body::read(raw, state.settings.server.body_limit_bytes)?;
+    let new: NewActivity = body::required_json(&bytes)?;
+    let valid = new.validate()?;
+    let activity = state.activities.create(&valid).await.map_err(|e| match e {
+        CreateError::DuplicateId(_) | CreateError::Overlap { .. } => {
+            AppError::Conflict(e.to_string())
+        }
+        CreateError::Db(db) => AppError::from(db),
+    })?;
+    tracing::info!(activity_id = %activity.id, sku = %activity.sku, stock = activity.stock, "activity created");
+    refresh_cache(&state).await;
+    Ok((StatusCode::CREATED, Json(activity)))
+}
+
+async fn load(state: &AppState, id: &str) -> AppResult<Activity> {
+    if !is_valid_id(id) {
+        return Err(AppError::not_found("no such activity"));
+    }
+    state
+        .activities
+        .get(id)
+        .await?
+        .ok_or_else(|| AppError::not_found("no such activity"))
+}
+
+/// The other instances pick changes up on their next refresh; this one at once.
+async fn refresh_cache(state: &AppState) {
+    if let Err(err) = state.cache.refresh().await {
+        tracing::warn!(error = %err, "activity cache refresh failed");
+    }
+}
+
+fn redis_down(err: redis::RedisError) -> AppError {
+    tracing::warn!(error = %err, "redis call failed");
+    AppError::Unavailable("stock store unreachable")
+}
+
+#[derive(Debug, Serialize)]
+pub struct Preloaded {
+    stock: i64,
+    buyers: usize,
+}
+
+/// `POST /admin/activities/{id}/preload`: rebuilds the Redis state from MySQL.
+/// Refused while the sale is open and not paused, because reservations in flight
+/// would be forgotten.
+pub async fn preload(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> AppResult<Json<Preloaded>> {
+    let activity = load(&state, &id).await?;
+    if activity.window(Utc::now()) == Window::Open && !activity.paused {
+        return Err(AppError::Conflict(
+            "the sale is open: pause it before preloading".into(),
+        ));
+    }
+    let buyers = state.activities.buyers(&id).await?;
+    let available = i64::from(activity.available);
+    state
+        .stock
+        .preload(&id, available, activity.paused, &buyers)
+        .await
+        .map_err(redis_down)?;
+    tracing::info!(activity_id = %id, stock = available, buyers = buyers.len(), "activity preloaded");
+    Ok(Json(Preloaded {
+        stock: available,
+        buyers: buyers.len(),
+    }))
+}
+
+async fn set_paused(state: &AppState, id: &str, paused: bool) -> AppResult<Json<Activity>> {
+    load(state, id).await?;
+    state.activities.set_paused(id, paused).await?;
+    // MySQL first: a preload reads the flag from there. Then the live switch.
+    let loaded = state
+        .stock
+        .set_paused(id, paused)
+        .await
+        .map_err(redis_down)?;
+    if !loaded {
+        tracing::warn!(activity_id = %id, "activity is not loaded in Redis; only MySQL was updated");
+    }
+    tracing::info!(activity_id = %id, paused, "activity switched");
+    refresh_cache(state).await;
+    Ok(Json(load(state, id).await?))
+}
+
+/// `POST /admin/activities/{id}/pause`
+pub async fn pause(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> AppResult<Json<Activity>> {
+    set_paused(&state, &id, true).await
+}
+
+/// `POST /admin/activities/{id}/resume`
+pub async fn resume(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> AppResult<Json<Activity>> {
+    set_paused(&state, &id, false).await
+}
+
+/// `GET /admin/activities/{id}`: the row plus live figures from Redis and MySQL.
+pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> AppResult<Json<Value>> {
+    let activity = load(&state, &id).await?;
+    let orders: BTreeMap<String, i64> = state
+        .activities
+        .order_counts(&id)
+        .await?
+        .into_iter()
+        .collect();
+    let live = match state.stock.snapshot(&id).await {
+        Ok(s) => json!({
+            "loaded": s.stock.is_some() && s.state.is_some(),
+            "redis_stock": s.stock,
+            "redis_state": s.state,
+            "reservations_pending": s.pending,
+            "buyers": s.buyers,
+        }),
+        Err(err) => {
+            tracing::warn!(error = %err, "redis snapshot failed");
+            json!({ "loaded": Value::Null, "error": "stock store unreachable" })
+        }
+    };
+    let mut out = serde_json::to_value(&activity)
+        .map_err(|e| AppError::Internal(anyhow::Error::new(e).context("serialising activity")))?;
+    if let Value::Object(map) = &mut out {
+        map.insert("live".into(), live);
+        map.insert("orders_by_status".into(), json!(orders));
+    }
+    Ok(Json(out))
+}

@@ -1,0 +1,306 @@
+//! The user-facing sale endpoints: status, reserve, reservation status.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::{Extension, Json};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use super::body;
+use crate::activity::{is_valid_sku, Activity, Window};
+use crate::auth::User;
+use crate::error::{AppError, AppResult};
+use crate::orders::OrderStatus;
+use crate::queue::ReservationMessage;
+use crate::state::AppState;
+use crate::stock::{RefundMode, RefundOutcome, ReserveOutcome};
+
+fn activity_for(state: &AppState, sku: &str, now: DateTime<Utc>) -> AppResult<Arc<Activity>> {
+    if !is_valid_sku(sku) {
+        return Err(AppError::not_found("no sale for this sku"));
+    }
+    state
+        .cache
+        .for_sku(sku, now)
+        .ok_or_else(|| AppError::not_found("no sale for this sku"))
+}
+
+#[derive(Debug, Serialize)]
+pub struct SaleStatus {
+    activity_id: String,
+    sku: String,
+    starts_at: DateTime<Utc>,
+    ends_at: DateTime<Utc>,
+    state: &'static str,
+    stock_left: i64,
+}
+
+/// `GET /flash/{sku}`: public, answered from the cache and one Redis round trip.
+pub async fn status(
+    State(state): State<AppState>,
+    Path(sku): Path<String>,
+) -> AppResult<Json<SaleStatus>> {
+    let now = Utc::now();
+    let activity = activity_for(&state, &sku, now)?;
+    // Redis holds the live figures; when it cannot answer (or lost the activity)
+    // the database's count is the honest fallback.
+    let live = state.stock.snapshot(&activity.id).await.ok();
+    let stock_left = live
+        .as_ref()
+        .and_then(|s| s.stock)
+        .unwrap_or(i64::from(activity.available))
+        .max(0);
+    let paused = activity.paused
+        || live
+            .as_ref()
+            .and_then(|s| s.state.as_deref())
+            .is_some_and(|s| s == "paused");
+    let state_name = match activity.window(now) {
+        Window::Upcoming => "upcoming",
+        Window::Ended => "ended",
+        Window::Open if paused => "paused",
+        Window::Open if stock_left == 0 => "sold_out",
+        Window::Open => "open",
+    };
+    Ok(Json(SaleStatus {
+        activity_id: activity.id.clone(),
+        sku: activity.sku.clone(),
+        starts_at: activity.starts_at,
+        ends_at: activity.ends_at,
+        state: state_name,
+        stock_left,
+    }))
+}
+
+#[derive(Debug, Deserialize)]
+struct ReserveBody {
+    quantity: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Reserved {
+    reservation_id: String,
+    activity_id: String,
+    sku: String,
+    quantity: u32,
+    status: &'static str,
+}
+
+fn parse_quantity(bytes: &[u8]) -> AppResult<u32> {
+    let Some(body) = body::json::<ReserveBody>(bytes)? else {
+        return Ok(1);
+    };
+    match body.quantity {
+        None => Ok(1),
+        Some(v) => v
+            .as_u64()
+            .filter(|q| *q >= 1)
+            .and_then(|q| u32::try_from(q).ok())
+            .ok_or_else(|| AppError::invalid("quantity must be a positive integer")),
+    }
+}
+
+/// `POST /flash/{sku}/reserve`: the hot path.
+pub async fn reserve(
+    State(state): State<AppState>,
+    Path(sku): Path<String>,
+    Extension(user): Extension<User>,
+    raw: Result<Bytes, BytesRejection>,
+) -> AppResult<(StatusCode, Json<Reserved>)> {
+    let bytes = body::read(raw, state.settings.server.body_limit_bytes)?;
+    let quantity = parse_quantity(&bytes)?;
+    let now = Utc::now();
+    let activity = activity_for(&state, &sku, now)?;
+    match activity.window(now) {
+        Window::Upcoming => return Err(count(AppError::NotStarted)),
+        Window::Ended => return Err(count(AppError::Ended)),
+        Window::Open => {}
+    }
+    if quantity > activity.per_user_limit {
+        return Err(AppError::invalid(format!(
+            "quantity must be between 1 and {}",
+            activity.per_user_limit
+        )));
+    }
+    if activity.paused {
+        return Err(count(AppError::Paused));
+    }
+    // From here on, stock may be held: run the rest as its own task so that a
+    // client hanging up (or the request timeout) cannot stop it half-way between
+    // Redis and Kafka. Shutdown waits for these tasks.
+    let task_state = state.clone();
+    let handle = state.critical.spawn(async move {
+        reserve_and_publish(&task_state, &activity, &user, quantity, now).await
+    });
+    let result = handle
+        .await
+        .map_err(|e| AppError::Internal(anyhow::Error::new(e).context("reserve task failed")))?;
+    match result {
+        Ok(reserved) => {
+            metrics::counter!("reservations_total", "outcome" => "reserved").increment(1);
+            Ok((StatusCode::ACCEPTED, Json(reserved)))
+        }
+        Err(err) => Err(count(err)),
+    }
+}
+
+/// Counts every refused reservation by its code.
+fn count(err: AppError) -> AppError {
+    metrics::counter!("reservations_total", "outcome" => err.code()).increment(1);
+    err
+}
+
+async fn reserve_and_publish(
+    state: &AppState,
+    activity: &Activity,
+    user: &User,
+    quantity: u32,
+    now: DateTime<Utc>,
+) -> AppResult<Reserved> {
+    let new_id = uuid::Uuid::now_v7().simple().to_string();
+    let outcome = match state
+        .stock
+        .reserve(
+            &activity.id,
+            &user.id,
+            quantity,
+            &new_id,
+            now.timestamp_millis(),
+        )
+        .await
+    {
+        Ok(outcome) => outcome,
+        Err(err) => {
+            tracing::warn!(error = %err, activity_id = %activity.id, "reserve script failed");
+            // The script may have run with its answer lost; returning the units of a
+            // reservation that does not exist is a no-op, so try once.
+            undo(state, activity, &new_id, user, quantity).await;
+            return Err(AppError::Unavailable("stock store unreachable"));
+        }
+    };
+    let reservation_id = match outcome {
+        ReserveOutcome::Reserved { reservation_id } => reservation_id,
+        ReserveOutcome::AlreadyReserved { reservation_id } => {
+            return Err(AppError::AlreadyReserved { reservation_id })
+        }
+        ReserveOutcome::SoldOut => return Err(AppError::SoldOut),
+        ReserveOutcome::Paused => return Err(AppError::Paused),
+        ReserveOutcome::NotLoaded => {
+            tracing::warn!(activity_id = %activity.id, "activity is not loaded in Redis");
+            return Err(AppError::Unavailable("the sale is not loaded"));
+        }
+    };
+    let message = ReservationMessage {
+        reservation_id: reservation_id.clone(),
+        activity_id: activity.id.clone(),
+        sku: activity.sku.clone(),
+        user_id: user.id.to_string(),
+        quantity,
+        reserved_at: now,
+    };
+    if let Err(err) = state.publisher.publish(&message).await {
+        tracing::error!(error = %err, %reservation_id, "publish failed; returning the units");
+        metrics::counter!("kafka_publish_failures_total").increment(1);
+        undo(state, activity, &reservation_id, user, quantity).await;
+        return Err(AppError::Unavailable("order queue unreachable"));
+    }
+    Ok(Reserved {
+        reservation_id,
+        activity_id: activity.id.clone(),
+        sku: activity.sku.clone(),
+        quantity,
+        status: "pending",
+    })
+}
+
+/// Returns a reservation that never reached the queue, and the user's right to try
+/// again. If this fails too, the reservation stays pending in Redis, where the
+/// reconciler finds it.
+async fn undo(
+    state: &AppState,
+    activity: &Activity,
+    reservation_id: &str,
+    user: &User,
+    quantity: u32,
+) {
+    match state
+        .stock
+        .refund(
+            &activity.id,
+            reservation_id,
+            &user.id,
+            quantity,
+            RefundMode::Undo,
+        )
+        .await
+    {
+        Ok(RefundOutcome::Returned { units }) => {
+            tracing::info!(%reservation_id, units, "units returned");
+        }
+        Ok(other) => tracing::debug!(%reservation_id, ?other, "nothing to return"),
+        Err(err) => {
+            tracing::error!(error = %err, %reservation_id, "refund failed; left for the reconciler");
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct ReservationView {
+    reservation_id: String,
+    status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    order_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expires_at: Option<DateTime<Utc>>,
+}
+
+/// `GET /flash/{sku}/reservation`: MySQL's order when there is one, else Redis's
+/// pending reservation.
+pub async fn reservation(
+    State(state): State<AppState>,
+    Path(sku): Path<String>,
+    Extension(user): Extension<User>,
+) -> AppResult<Json<ReservationView>> {
+    let activity = activity_for(&state, &sku, Utc::now())?;
+    if let Some(order) = state.orders.by_user(&activity.id, &user.id).await? {
+        let status = match order.status {
+            OrderStatus::PendingPayment => "ordered",
+            OrderStatus::Paid => "paid",
+            OrderStatus::Cancelled => "cancelled",
+            OrderStatus::Failed => "failed",
+        };
+        let live = matches!(
+            order.status,
+            OrderStatus::PendingPayment | OrderStatus::Paid | OrderStatus::Cancelled
+        );
+        return Ok(Json(ReservationView {
+            reservation_id: order.reservation_id,
+            status,
+            order_id: live.then(|| order.id.to_string()),
+            expires_at: order
+                .expires_at
+                .filter(|_| order.status == OrderStatus::PendingPayment),
+        }));
+    }
+    let pending = state
+        .stock
+        .reservation_of(&activity.id, &user.id)
+        .await
+        .map_err(|e| {
+            tracing::warn!(error = %e, "reservation lookup failed");
+            AppError::Unavailable("stock store unreachable")
+        })?;
+    match pending {
+        Some(reservation_id) => Ok(Json(ReservationView {
+            reservation_id,
+            status: "pending",
+            order_id: None,
+            expires_at: None,
+        })),
+        None => Err(AppError::not_found("you hold no reservation for this sale")),
+    }
+}

@@ -1,0 +1,188 @@
+//! Request-level layers: identity, rate limits, metrics, tracing, overload.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::Response;
+use axum::middleware::Next;
+use axum::response::IntoResponse;
+use governor::middleware::NoOpMiddleware;
+use tower::BoxError;
+use tower_governor::governor::{GovernorConfig, GovernorConfigBuilder};
+use tower_governor::key_extractor::{KeyExtractor, PeerIpKeyExtractor};
+use tower_governor::{GovernorError, GovernorLayer};
+use tracing::Span;
+
+use crate::auth::User;
+use crate::config::RateLimitSettings;
+use crate::error::AppError;
+use crate::state::AppState;
+
+/// Verifies the user's token and hands the user to the handlers (and to the
+/// per-user rate limit, which runs after this).
+pub async fn require_user(
+    State(state): State<AppState>,
+    mut req: Request,
+    next: Next,
+) -> Result<Response<Body>, AppError> {
+    let user = state.auth.user(req.headers())?;
+    Span::current().record("user_id", &*user.id);
+    req.extensions_mut().insert(user);
+    Ok(next.run(req).await)
+}
+
+pub async fn require_admin(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Result<Response<Body>, AppError> {
+    state.auth.admin(req.headers())?;
+    Ok(next.run(req).await)
+}
+
+/// The span of one request: method, matched route and the request id set by
+/// `SetRequestIdLayer`, so every log line of the request carries its id.
+pub fn make_span(req: &Request) -> Span {
+    let request_id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-");
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(MatchedPath::as_str)
+        .unwrap_or_else(|| req.uri().path());
+    tracing::info_span!(
+        "request",
+        method = %req.method(),
+        route,
+        request_id,
+        user_id = tracing::field::Empty,
+    )
+}
+
+/// Counts requests by route and status and records their latency.
+pub async fn track_metrics(req: Request, next: Next) -> Response<Body> {
+    let started = Instant::now();
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".to_owned());
+    let method = req.method().as_str().to_owned();
+    let response = next.run(req).await;
+    let status = response.status().as_u16().to_string();
+    metrics::counter!("http_requests_total", "method" => method.clone(), "route" => route.clone(), "status" => status)
+        .increment(1);
+    metrics::histogram!("http_request_duration_seconds", "method" => method, "route" => route)
+        .record(started.elapsed().as_secs_f64());
+    response
+}
+
+/// Load shedding and timeouts end here, in the documented error shape.
+pub async fn overloaded(err: BoxError) -> AppError {
+    if err.is::<tower::timeout::error::Elapsed>() {
+        AppError::Unavailable("the request took too long")
+    } else if err.is::<tower::load_shed::error::Overloaded>() {
+        metrics::counter!("http_requests_shed_total").increment(1);
+        AppError::Unavailable("the service is overloaded")
+    } else {
+        AppError::Internal(anyhow::anyhow!("unhandled middleware error: {err}"))
+    }
+}
+
+/// Keys the per-user bucket by the authenticated user id.
+#[derive(Debug, Clone, Copy)]
+pub struct UserKeyExtractor;
+
+impl KeyExtractor for UserKeyExtractor {
+    type Key = Arc<str>;
+
+    fn extract<T>(&self, req: &axum::http::Request<T>) -> Result<Self::Key, GovernorError> {
+        req.extensions()
+            .get::<User>()
+            .map(|u| u.id.clone())
+            .ok_or(GovernorError::UnableToExtractKey)
+    }
+}
+
+fn rate_limited(err: GovernorError) -> Response<Body> {
+    match err {
+        GovernorError::TooManyRequests { wait_time, .. } => {
+            metrics::counter!("rate_limited_total").increment(1);
+            AppError::RateLimited {
+                retry_after_secs: wait_time.max(1),
+            }
+            .into_response()
+        }
+        other => {
+            AppError::Internal(anyhow::anyhow!("rate limiter failed: {other}")).into_response()
+        }
+    }
+}
+
+/// The token buckets, built once so their state is shared by every route and can be
+/// pruned in the background.
+#[derive(Clone, Default)]
+pub struct RateLimiters {
+    per_ip: Option<Arc<GovernorConfig<PeerIpKeyExtractor, NoOpMiddleware>>>,
+    per_user: Option<Arc<GovernorConfig<UserKeyExtractor, NoOpMiddleware>>>,
+}
+
+/// One token every `1 / per_sec` seconds.
+fn period(per_sec: u32) -> Duration {
+    Duration::from_nanos(1_000_000_000 / u64::from(per_sec.max(1)))
+}
+
+impl RateLimiters {
+    pub fn new(settings: &RateLimitSettings) -> Self {
+        let per_ip = (settings.per_ip_per_sec > 0)
+            .then(|| {
+                GovernorConfigBuilder::default()
+                    .period(period(settings.per_ip_per_sec))
+                    .burst_size(settings.per_ip_burst)
+                    .finish()
+            })
+            .flatten()
+            .map(Arc::new);
+        let per_user = (settings.per_user_per_sec > 0)
+            .then(|| {
+                GovernorConfigBuilder::default()
+                    .key_extractor(UserKeyExtractor)
+                    .period(period(settings.per_user_per_sec))
+                    .burst_size(settings.per_user_burst)
+                    .finish()
+            })
+            .flatten()
+            .map(Arc::new);
+        RateLimiters { per_ip, per_user }
+    }
+
+    pub fn per_ip_layer(&self) -> Option<GovernorLayer<PeerIpKeyExtractor, NoOpMiddleware, Body>> {
+        self.per_ip
+            .clone()
+            .map(|c| GovernorLayer::new(c).error_handler(rate_limited))
+    }
+
+    pub fn per_user_layer(&self) -> Option<GovernorLayer<UserKeyExtractor, NoOpMiddleware, Body>> {
+        self.per_user
+            .clone()
+            .map(|c| GovernorLayer::new(c).error_handler(rate_limited))
+    }
+
+    /// Forgets buckets that are full again, so memory follows the active clients,
+    /// not every client ever seen.
+    pub fn prune(&self) {
+        if let Some(c) = &self.per_ip {
+            c.limiter().retain_recent();
+            c.limiter().shrink_to_fit();
+        }
+        if let Some(c) = &self.per_user {
+            c.limiter().retain_recent();
+            c.limiter().shrink_to_fit();
+        }
+    }
+}

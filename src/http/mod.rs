@@ -1,0 +1,93 @@
+//! The HTTP API: routes and the layers in front of them.
+//!
+//! Outermost first: request id → trace span → metrics → load shedding, global
+//! concurrency limit and timeout → per-IP rate limit → routes. User routes add
+//! authentication and then the per-user rate limit; admin routes add the admin token.
+
+mod admin;
+mod body;
+mod flash;
+mod middleware;
+mod ops;
+mod orders;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::error_handling::HandleErrorLayer;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use tokio::sync::Semaphore;
+use tower::limit::GlobalConcurrencyLimitLayer;
+use tower::ServiceBuilder;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
+
+use crate::error::AppError;
+use crate::state::AppState;
+
+pub use middleware::RateLimiters;
+
+pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
+    let settings = &state.settings.server;
+
+    let mut user_routes = Router::new()
+        .route("/flash/{sku}/reserve", post(flash::reserve))
+        .route("/flash/{sku}/reservation", get(flash::reservation))
+        .route("/orders/{order_id}/pay", post(orders::pay));
+    if let Some(per_user) = limiters.per_user_layer() {
+        user_routes = user_routes.layer(per_user);
+    }
+    let user_routes = user_routes.layer(axum::middleware::from_fn_with_state(
+        state.clone(),
+        middleware::require_user,
+    ));
+
+    let admin_routes = Router::new()
+        .route("/admin/activities", post(admin::create))
+        .route("/admin/activities/{id}", get(admin::get))
+        .route("/admin/activities/{id}/preload", post(admin::preload))
+        .route("/admin/activities/{id}/pause", post(admin::pause))
+        .route("/admin/activities/{id}/resume", post(admin::resume))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            middleware::require_admin,
+        ));
+
+    let mut app = Router::new()
+        .route("/flash/{sku}", get(flash::status))
+        .merge(user_routes)
+        .merge(admin_routes)
+        .fallback(|| async { AppError::not_found("no such endpoint") })
+        .method_not_allowed_fallback(|| async { AppError::MethodNotAllowed });
+    if let Some(per_ip) = limiters.per_ip_layer() {
+        app = app.layer(per_ip);
+    }
+
+    // One semaphore for the whole router: `Router::layer` clones a layer per route,
+    // and a plain ConcurrencyLimitLayer would then limit each route separately.
+    let in_flight = Arc::new(Semaphore::new(settings.max_concurrency));
+    let protection = ServiceBuilder::new()
+        .layer(HandleErrorLayer::new(middleware::overloaded))
+        .load_shed()
+        .layer(GlobalConcurrencyLimitLayer::with_semaphore(in_flight))
+        .timeout(Duration::from_millis(settings.request_timeout_ms));
+
+    Router::new()
+        .merge(app.layer(protection))
+        // Operations endpoints stay outside the load shedding and rate limits, so a
+        // saturated instance can still be probed and scraped.
+        .route("/healthz", get(ops::healthz))
+        .route("/readyz", get(ops::readyz))
+        .route("/metrics", get(ops::metrics))
+        .layer(DefaultBodyLimit::max(settings.body_limit_bytes))
+        .layer(axum::middleware::from_fn(middleware::track_metrics))
+        .layer(
+            ServiceBuilder::new()
+                .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+                .layer(TraceLayer::new_for_http().make_span_with(middleware::make_span))
+                .layer(PropagateRequestIdLayer::x_request_id()),
+        )
+        .with_state(state)
+}

@@ -1,0 +1,62 @@
+//! Payment: `POST /orders/{order_id}/pay`.
+
+use axum::extract::{Path, State};
+use axum::{Extension, Json};
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+use crate::auth::User;
+use crate::error::{AppError, AppResult};
+use crate::orders::{Order, PayOutcome};
+use crate::state::AppState;
+
+#[derive(Debug, Serialize)]
+pub struct OrderView {
+    order_id: String,
+    reservation_id: String,
+    activity_id: String,
+    quantity: u32,
+    status: &'static str,
+    created_at: DateTime<Utc>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expires_at: Option<DateTime<Utc>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    paid_at: Option<DateTime<Utc>>,
+}
+
+impl From<Order> for OrderView {
+    fn from(o: Order) -> Self {
+        OrderView {
+            order_id: o.id.to_string(),
+            reservation_id: o.reservation_id,
+            activity_id: o.activity_id,
+            quantity: o.quantity,
+            status: o.status.as_str(),
+            created_at: o.created_at,
+            expires_at: o.expires_at,
+            paid_at: o.paid_at,
+        }
+    }
+}
+
+/// Pays the caller's order. Anyone else's order is 404 (its existence is not
+/// revealed); paying twice answers 200 again; a lapsed order is `409 expired`.
+pub async fn pay(
+    State(state): State<AppState>,
+    Path(order_id): Path<String>,
+    Extension(user): Extension<User>,
+) -> AppResult<Json<OrderView>> {
+    let id: u64 = order_id
+        .parse()
+        .map_err(|_| AppError::not_found("no such order"))?;
+    match state.orders.pay(id, &user.id).await? {
+        PayOutcome::Paid(order) => {
+            metrics::counter!("orders_paid_total").increment(1);
+            tracing::info!(order_id = id, "order paid");
+            Ok(Json(order.into()))
+        }
+        PayOutcome::AlreadyPaid(order) => Ok(Json(order.into())),
+        PayOutcome::Expired => Err(AppError::Expired),
+        PayOutcome::NotFound => Err(AppError::not_found("no such order")),
+    }
+}

@@ -1,0 +1,18 @@
+//! flashsale: a flash-sale stock reservation service.
+//!
+//! The request path: rate limits → auth → activity window (in memory) → Redis Lua
+//! reserve (one atomic step) → Kafka publish (delivery awaited) → `202`. The order
+//! consumer turns messages into MySQL orders at the database's pace. See the
+//! module docs of `http`, `stock`, `queue` and `orders`.
+
+pub mod activity;
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod http;
+pub mod orders;
+pub mod queue;
+pub mod startup;
+pub mod state;
+pub mod stock;
+pub mod telemetry;

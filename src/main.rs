@@ -1,0 +1,83 @@
+//! The `flashsale` binary: a thin shell over the library.
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use flashsale::auth::Auth;
+use flashsale::config::{self, Settings};
+use flashsale::startup::{self, Application};
+use flashsale::telemetry;
+
+#[derive(Parser)]
+#[command(
+    name = "flashsale",
+    version,
+    about = "Flash-sale stock reservation service"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the HTTP API (and the background workers enabled in the configuration).
+    Serve,
+    /// Run the order consumer alone (no HTTP), to scale consumers apart from the API.
+    Consume,
+    /// Create the database if needed and apply the migrations.
+    Migrate,
+    /// Print a signed user token, for trying the API by hand.
+    Token {
+        /// The user id (the token's `sub`).
+        #[arg(long)]
+        user: String,
+        /// Validity in seconds.
+        #[arg(long, default_value_t = 3600)]
+        ttl_secs: i64,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let settings = Settings::load()?;
+    telemetry::init_tracing(&settings.log);
+    match cli.command {
+        Command::Serve => {
+            settings.check_production_secrets(&config::environment())?;
+            let app = Application::build(settings).await?;
+            let token = app.shutdown_token();
+            tokio::spawn(async move {
+                startup::shutdown_signal().await;
+                token.cancel();
+            });
+            app.run_until_stopped().await
+        }
+        Command::Consume => {
+            let token = tokio_util::sync::CancellationToken::new();
+            let stop = token.clone();
+            tokio::spawn(async move {
+                startup::shutdown_signal().await;
+                stop.cancel();
+            });
+            startup::run_consumer(settings, token).await
+        }
+        Command::Migrate => {
+            startup::migrate(&settings.mysql).await?;
+            println!("migrations applied");
+            Ok(())
+        }
+        Command::Token { user, ttl_secs } => {
+            let auth = Auth::new(
+                settings.auth.admin_token.clone(),
+                &settings.auth.user_token_secret,
+            )?;
+            let token = auth
+                .issue(&user, ttl_secs)
+                .context("cannot issue the token")?;
+            println!("{token}");
+            Ok(())
+        }
+    }
+}

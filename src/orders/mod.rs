@@ -1,0 +1,10 @@
+//! Orders in MySQL: the consumer that creates them from the reservation topic, the
+//! repository, and the sweeper that cancels the unpaid ones.
+
+pub mod consumer;
+mod repo;
+pub mod sweeper;
+
+pub use consumer::{OrderConsumer, OrderWriter};
+pub use repo::{is_transient, Decision, Incoming, Order, OrderRepo, OrderStatus, PayOutcome};
+pub use sweeper::Sweeper;

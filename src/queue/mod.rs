@@ -1,0 +1,187 @@
+//! Kafka side: the reservation message, the idempotent producer that publishes it,
+//! and topic creation.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::util::Timeout;
+use serde::{Deserialize, Serialize};
+
+use crate::config::KafkaSettings;
+
+/// One reservation handed from the API to the order consumer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReservationMessage {
+    pub reservation_id: String,
+    pub activity_id: String,
+    pub sku: String,
+    pub user_id: String,
+    pub quantity: u32,
+    pub reserved_at: DateTime<Utc>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("failed to encode the message")]
+    Encode(#[from] serde_json::Error),
+    #[error("the broker did not acknowledge the message: {0}")]
+    Delivery(#[from] KafkaError),
+    #[error("no delivery report within {0:?}")]
+    Timeout(Duration),
+}
+
+/// The producer: idempotent, `acks=all`, and every send awaits its delivery report,
+/// so a `202` always stands on a message the broker has acknowledged.
+#[derive(Clone)]
+pub struct Publisher {
+    producer: FutureProducer,
+    topic: String,
+    timeout: Duration,
+}
+
+impl Publisher {
+    pub fn new(settings: &KafkaSettings) -> anyhow::Result<Self> {
+        let timeout = settings.publish_timeout();
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", &settings.brokers)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", settings.linger_ms.to_string())
+            // librdkafka fails a message it could not deliver within this time, and
+            // only then do we return the units: the report is the single truth.
+            .set(
+                "message.timeout.ms",
+                settings.publish_timeout_ms.to_string(),
+            )
+            .set(
+                "request.timeout.ms",
+                settings.publish_timeout_ms.clamp(1, 30_000).to_string(),
+            )
+            .set("socket.connection.setup.timeout.ms", "1000")
+            .set("reconnect.backoff.max.ms", "1000")
+            .create()
+            .context("failed to create the Kafka producer")?;
+        Ok(Publisher {
+            producer,
+            topic: settings.topic.clone(),
+            timeout,
+        })
+    }
+
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// Publishes one reservation keyed by user id (one user's messages stay in
+    /// order on one partition) and waits for the broker's acknowledgement.
+    pub async fn publish(&self, msg: &ReservationMessage) -> Result<(), PublishError> {
+        let payload = serde_json::to_vec(msg)?;
+        let started = Instant::now();
+        let record = FutureRecord::to(&self.topic)
+            .key(msg.user_id.as_bytes())
+            .payload(&payload);
+        // librdkafka reports within message.timeout.ms; the outer bound only guards
+        // against a report that never comes.
+        let send = self.producer.send(record, Timeout::After(self.timeout));
+        let result = match tokio::time::timeout(self.timeout * 2, send).await {
+            Ok(Ok(_delivery)) => Ok(()),
+            Ok(Err((err, _msg))) => Err(PublishError::Delivery(err)),
+            Err(_) => Err(PublishError::Timeout(self.timeout * 2)),
+        };
+        let outcome = if result.is_ok() { "ok" } else { "error" };
+        metrics::histogram!("kafka_publish_duration_seconds", "outcome" => outcome)
+            .record(started.elapsed().as_secs_f64());
+        result
+    }
+
+    /// Publishes raw bytes with a `reason` header (the dead-letter topic).
+    pub async fn publish_raw(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        payload: &[u8],
+        reason: &str,
+    ) -> Result<(), PublishError> {
+        let headers = OwnedHeaders::new().insert(Header {
+            key: "reason",
+            value: Some(reason),
+        });
+        let mut record = FutureRecord::<[u8], [u8]>::to(topic)
+            .payload(payload)
+            .headers(headers);
+        if let Some(key) = key {
+            record = record.key(key);
+        }
+        self.producer
+            .send(record, Timeout::After(self.timeout))
+            .await
+            .map(|_| ())
+            .map_err(|(err, _)| PublishError::Delivery(err))
+    }
+
+    /// Whether the broker answers a metadata request for the topic.
+    pub async fn check(&self) -> anyhow::Result<()> {
+        let producer = self.producer.clone();
+        let topic = self.topic.clone();
+        tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(Some(&topic), Duration::from_secs(1))
+                .map(|_| ())
+        })
+        .await
+        .context("metadata task failed")?
+        .context("the Kafka broker did not answer")
+    }
+
+    /// Sends what is still queued; called on shutdown.
+    pub fn flush(&self, timeout: Duration) {
+        if let Err(err) = self.producer.flush(Timeout::After(timeout)) {
+            tracing::error!(error = %err, "messages were still unsent at shutdown");
+        }
+    }
+}
+
+/// Creates the topics when they are missing (tansu, and many Kafka deployments,
+/// never auto-create them). An existing topic is fine.
+pub async fn ensure_topics(settings: &KafkaSettings, topics: &[&str]) -> anyhow::Result<()> {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &settings.brokers)
+        .set("socket.connection.setup.timeout.ms", "2000")
+        .create()
+        .context("failed to create the Kafka admin client")?;
+    let new_topics: Vec<NewTopic> = topics
+        .iter()
+        .map(|t| {
+            NewTopic::new(
+                t,
+                settings.partitions,
+                TopicReplication::Fixed(settings.replication_factor),
+            )
+        })
+        .collect();
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(5)));
+    let results = tokio::time::timeout(
+        Duration::from_secs(10),
+        admin.create_topics(&new_topics, &options),
+    )
+    .await
+    .context("the Kafka broker did not answer CreateTopics in time")?
+    .context("CreateTopics failed")?;
+    for result in results {
+        match result {
+            Ok(topic) => tracing::info!(%topic, "created Kafka topic"),
+            Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+            Err((topic, code)) => anyhow::bail!("failed to create topic {topic}: {code}"),
+        }
+    }
+    Ok(())
+}

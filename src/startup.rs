@@ -1,0 +1,285 @@
+//! Building and running the service. `Application::build` binds its own listener
+//! (port 0 in tests) and connects to its dependencies; `run_until_stopped` serves
+//! until the shutdown token is cancelled, then drains in-flight work and flushes the
+//! producer.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use secrecy::ExposeSecret;
+use sqlx::migrate::MigrateDatabase;
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::{MySql, MySqlPool};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::activity::{ActivityCache, ActivityRepo};
+use crate::auth::Auth;
+use crate::config::{MysqlSettings, Settings};
+use crate::http::{self, RateLimiters};
+use crate::orders::{OrderConsumer, OrderRepo, OrderWriter, Sweeper};
+use crate::queue::{self, Publisher};
+use crate::state::{AppState, Inner};
+use crate::stock::{RedisConn, StockStore};
+use crate::telemetry;
+
+pub struct Application {
+    listener: TcpListener,
+    port: u16,
+    state: AppState,
+    limiters: RateLimiters,
+    shutdown: CancellationToken,
+}
+
+/// Connects the MySQL pool.
+pub async fn connect_mysql(settings: &MysqlSettings) -> anyhow::Result<MySqlPool> {
+    MySqlPoolOptions::new()
+        .max_connections(settings.max_connections)
+        .acquire_timeout(Duration::from_millis(settings.acquire_timeout_ms))
+        .connect(settings.url.expose_secret())
+        .await
+        .context("failed to connect to MySQL")
+}
+
+/// Creates the database if it is missing and applies `migrations/`.
+pub async fn migrate(settings: &MysqlSettings) -> anyhow::Result<()> {
+    let url = settings.url.expose_secret();
+    if !MySql::database_exists(url)
+        .await
+        .context("failed to reach MySQL")?
+    {
+        MySql::create_database(url)
+            .await
+            .context("failed to create the database")?;
+    }
+    let pool = connect_mysql(settings).await?;
+    sqlx::migrate!("./migrations")
+        .run(&pool)
+        .await
+        .context("failed to apply migrations")?;
+    pool.close().await;
+    Ok(())
+}
+
+impl Application {
+    pub async fn build(settings: Settings) -> anyhow::Result<Self> {
+        let metrics = telemetry::metrics_handle()?;
+        let pool = connect_mysql(&settings.mysql).await?;
+        let redis = RedisConn::connect(&settings.redis).await?;
+        let publisher = Publisher::new(&settings.kafka)?;
+        if settings.kafka.create_topics {
+            let topics = [
+                settings.kafka.topic.as_str(),
+                settings.kafka.dead_letter_topic.as_str(),
+            ];
+            queue::ensure_topics(&settings.kafka, &topics)
+                .await
+                .context("failed to create the Kafka topics")?;
+        }
+        let activities = ActivityRepo::new(pool.clone());
+        let cache = ActivityCache::new(activities.clone());
+        cache
+            .refresh()
+            .await
+            .context("failed to load the activities")?;
+        let auth = Auth::new(
+            settings.auth.admin_token.clone(),
+            &settings.auth.user_token_secret,
+        )?;
+        let listener = TcpListener::bind(&settings.server.addr)
+            .await
+            .with_context(|| format!("failed to bind {}", settings.server.addr))?;
+        let port = listener.local_addr().context("no local address")?.port();
+        let limiters = RateLimiters::new(&settings.rate_limit);
+        let state = AppState::new(Inner {
+            settings,
+            pool: pool.clone(),
+            activities,
+            cache,
+            orders: OrderRepo::new(pool.clone()),
+            stock: StockStore::new(redis),
+            publisher,
+            auth,
+            metrics,
+            critical: TaskTracker::new(),
+        });
+        Ok(Application {
+            listener,
+            port,
+            state,
+            limiters,
+            shutdown: CancellationToken::new(),
+        })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn state(&self) -> AppState {
+        self.state.clone()
+    }
+
+    /// Cancel this token to stop the application gracefully.
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    pub async fn run_until_stopped(self) -> anyhow::Result<()> {
+        let Application {
+            listener,
+            state,
+            limiters,
+            shutdown,
+            ..
+        } = self;
+        let background = TaskTracker::new();
+        background.spawn(state.cache.clone().run_refresher(
+            Duration::from_millis(state.settings.activities.refresh_interval_ms.max(100)),
+            shutdown.clone(),
+        ));
+        background.spawn(prune_rate_limiters(limiters.clone(), shutdown.clone()));
+        background.spawn(metrics_upkeep(state.clone(), shutdown.clone()));
+        spawn_workers(&state, &background, &shutdown)?;
+
+        let app = http::router(state.clone(), &limiters);
+        tracing::info!(addr = %listener.local_addr()?, "serving");
+        let stop = shutdown.clone();
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move { stop.cancelled().await })
+        .await
+        .context("HTTP server failed")?;
+
+        // In-flight reservations finish (publish or refund) before the producer is
+        // flushed and the process exits.
+        let grace = Duration::from_secs(state.settings.server.shutdown_grace_secs);
+        state.critical.close();
+        if tokio::time::timeout(grace, state.critical.wait())
+            .await
+            .is_err()
+        {
+            tracing::error!("reservations still in flight at the end of the grace period");
+        }
+        shutdown.cancel();
+        background.close();
+        let _ = tokio::time::timeout(grace, background.wait()).await;
+        let publisher = state.publisher.clone();
+        tokio::task::spawn_blocking(move || publisher.flush(grace))
+            .await
+            .context("producer flush task failed")?;
+        state.pool.close().await;
+        tracing::info!("stopped");
+        Ok(())
+    }
+}
+
+/// The order consumer and the sweeper, each switchable in the configuration, so
+/// one binary scales by role.
+fn spawn_workers(
+    state: &AppState,
+    tracker: &TaskTracker,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    let settings = &state.settings;
+    if settings.consumer.enabled {
+        let writer = OrderWriter {
+            repo: state.orders.clone(),
+            stock: state.stock.clone(),
+        };
+        let consumer = OrderConsumer::new(settings, writer, state.publisher.clone())?;
+        tracker.spawn(consumer.run(shutdown.clone()));
+    }
+    if settings.orders.sweeper_enabled {
+        let sweeper = Sweeper {
+            repo: state.orders.clone(),
+            stock: state.stock.clone(),
+        };
+        tracker.spawn(sweeper.run(
+            Duration::from_secs(settings.orders.sweep_interval_secs),
+            shutdown.clone(),
+        ));
+    }
+    Ok(())
+}
+
+/// `flashsale consume`: the order consumer alone, without the HTTP API.
+pub async fn run_consumer(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let pool = connect_mysql(&settings.mysql).await?;
+    let redis = RedisConn::connect(&settings.redis).await?;
+    let publisher = Publisher::new(&settings.kafka)?;
+    if settings.kafka.create_topics {
+        let topics = [
+            settings.kafka.topic.as_str(),
+            settings.kafka.dead_letter_topic.as_str(),
+        ];
+        queue::ensure_topics(&settings.kafka, &topics)
+            .await
+            .context("failed to create the Kafka topics")?;
+    }
+    let writer = OrderWriter {
+        repo: OrderRepo::new(pool.clone()),
+        stock: StockStore::new(redis),
+    };
+    let consumer = OrderConsumer::new(&settings, writer, publisher.clone())?;
+    consumer.run(shutdown).await;
+    tokio::task::spawn_blocking(move || publisher.flush(Duration::from_secs(5)))
+        .await
+        .context("producer flush task failed")?;
+    pool.close().await;
+    Ok(())
+}
+
+async fn prune_rate_limiters(limiters: RateLimiters, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_secs(60));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => limiters.prune(),
+        }
+    }
+}
+
+/// Histograms are summarised lazily; upkeep keeps memory flat between scrapes.
+async fn metrics_upkeep(state: AppState, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => state.metrics.run_upkeep(),
+        }
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(err) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %err, "cannot listen for SIGINT");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(err) => {
+                tracing::error!(error = %err, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = terminate => {},
+    }
+    tracing::info!("shutdown signal received");
+}

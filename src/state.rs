@@ -1,0 +1,46 @@
+//! What every handler shares.
+
+use std::sync::Arc;
+
+use metrics_exporter_prometheus::PrometheusHandle;
+use sqlx::MySqlPool;
+use tokio_util::task::TaskTracker;
+
+use crate::activity::{ActivityCache, ActivityRepo};
+use crate::auth::Auth;
+use crate::config::Settings;
+use crate::orders::OrderRepo;
+use crate::queue::Publisher;
+use crate::stock::StockStore;
+
+#[derive(Clone)]
+pub struct AppState(Arc<Inner>);
+
+pub struct Inner {
+    pub settings: Settings,
+    pub pool: MySqlPool,
+    pub activities: ActivityRepo,
+    pub cache: ActivityCache,
+    pub orders: OrderRepo,
+    pub stock: StockStore,
+    pub publisher: Publisher,
+    pub auth: Auth,
+    pub metrics: PrometheusHandle,
+    /// Work that must finish even if the request that started it is dropped (a
+    /// reservation between Redis and Kafka); shutdown waits for it.
+    pub critical: TaskTracker,
+}
+
+impl AppState {
+    pub fn new(inner: Inner) -> Self {
+        AppState(Arc::new(inner))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Inner;
+
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}

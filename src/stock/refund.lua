@@ -1,0 +1,36 @@
+-- Return a reservation's units to stock, exactly once.
+--
+-- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded (set)
+-- ARGV[1] reservation id, ARGV[2] user id, ARGV[3] quantity
+-- ARGV[4] mode:
+--   "undo"    the reservation never reached the queue (publish failed, or the
+--             reserve answer was lost): only a reservation still pending is
+--             returned, and the user's purchase right is given back
+--   "return"  the order failed or was cancelled: the units go back, the user's
+--             purchase right stays spent
+--
+-- Returns the units returned (> 0), or
+--    0  already refunded (a second run changes nothing)
+--   -1  nothing to undo: no such pending reservation
+--   -3  not loaded: the stock key is missing; the activity will be rebuilt from
+--       MySQL, which is the count that matters, so nothing is lost
+if redis.call("SISMEMBER", KEYS[5], ARGV[1]) == 1 then
+  return 0
+end
+if not redis.call("GET", KEYS[1]) then
+  return -3
+end
+if ARGV[4] == "undo" then
+  if not redis.call("ZSCORE", KEYS[3], ARGV[1]) then
+    return -1
+  end
+  if redis.call("HGET", KEYS[2], ARGV[2]) == ARGV[1] then
+    redis.call("HDEL", KEYS[2], ARGV[2])
+  end
+end
+local q = tonumber(ARGV[3])
+redis.call("INCRBY", KEYS[1], q)
+redis.call("SADD", KEYS[5], ARGV[1])
+redis.call("ZREM", KEYS[3], ARGV[1])
+redis.call("HDEL", KEYS[4], ARGV[1])
+return q

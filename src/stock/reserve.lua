@@ -1,0 +1,39 @@
+-- Reserve units for one user in one activity, as one atomic step.
+--
+-- KEYS[1] stock     (string, integer)   units Redis may still hand out
+-- KEYS[2] buyers    (hash user -> reservation id)   purchase rights spent
+-- KEYS[3] pending   (zset reservation id, score = reserved-at ms)   not yet in MySQL
+-- KEYS[4] res       (hash reservation id -> "user_id|quantity")   reservation details
+-- KEYS[5] state     (string "open" | "paused")
+-- ARGV[1] user id, ARGV[2] quantity (>= 1), ARGV[3] new reservation id, ARGV[4] now (ms)
+--
+-- Returns {code, value}:
+--   { 1, reservation_id }  reserved
+--   { 0, reservation_id }  this user already holds a reservation (the existing id)
+--   {-1, "" }              sold out (fewer units left than asked for)
+--   {-3, "" }              not loaded: a key is missing; never read as "sold out"
+--   {-4, "" }              paused
+local state = redis.call("GET", KEYS[5])
+if not state then
+  return {-3, ""}
+end
+local stock = redis.call("GET", KEYS[1])
+if not stock then
+  return {-3, ""}
+end
+if state == "paused" then
+  return {-4, ""}
+end
+local existing = redis.call("HGET", KEYS[2], ARGV[1])
+if existing then
+  return {0, existing}
+end
+local q = tonumber(ARGV[2])
+if tonumber(stock) < q then
+  return {-1, ""}
+end
+redis.call("DECRBY", KEYS[1], q)
+redis.call("HSET", KEYS[2], ARGV[1], ARGV[3])
+redis.call("ZADD", KEYS[3], ARGV[4], ARGV[3])
+redis.call("HSET", KEYS[4], ARGV[3], ARGV[1] .. "|" .. ARGV[2])
+return {1, ARGV[3]}
