@@ -1,0 +1,240 @@
+//! Operators: create, overlap, preload, pause/resume, live figures, sale status.
+
+use chrono::Utc;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+use crate::helpers::{assert_error, spawn_app, unique};
+
+#[tokio::test]
+async fn create_returns_the_stored_activity_and_refuses_overlaps() {
+    let app = spawn_app().await;
+    let sku = unique("sku-");
+    let start = Utc::now() + chrono::Duration::hours(1);
+    let end = start + chrono::Duration::hours(1);
+    let resp = app
+        .create_activity(json!({
+            "id": "launch-1", "sku": sku, "stock": 100, "per_user_limit": 2,
+            "starts_at": start, "ends_at": end, "payment_timeout_secs": 600,
+        }))
+        .await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let body: Value = resp.json().await.expect("json");
+    assert_eq!(body["id"], "launch-1");
+    assert_eq!(body["sku"], sku.as_str());
+    assert_eq!(body["stock"], 100);
+    assert_eq!(body["available"], 100);
+    assert_eq!(body["per_user_limit"], 2);
+    assert_eq!(body["payment_timeout_secs"], 600);
+    assert_eq!(body["paused"], false);
+
+    // Same id again.
+    let resp = app
+        .create_activity(json!({
+            "id": "launch-1", "sku": unique("sku-"), "stock": 1,
+            "starts_at": start, "ends_at": end,
+        }))
+        .await;
+    assert_error(resp, StatusCode::CONFLICT, "conflict").await;
+
+    // Same SKU, overlapping window.
+    let resp = app
+        .create_activity(json!({
+            "sku": sku, "stock": 1,
+            "starts_at": start + chrono::Duration::minutes(30),
+            "ends_at": end + chrono::Duration::hours(1),
+        }))
+        .await;
+    assert_error(resp, StatusCode::CONFLICT, "conflict").await;
+
+    // Same SKU, the next window: fine. The id is generated.
+    let resp = app
+        .create_activity(json!({
+            "sku": sku, "stock": 1, "starts_at": end, "ends_at": end + chrono::Duration::hours(1),
+        }))
+        .await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let body: Value = resp.json().await.expect("json");
+    assert!(body["id"]
+        .as_str()
+        .is_some_and(|id| !id.is_empty() && id != "launch-1"));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn concurrent_overlapping_creations_store_one() {
+    let app = spawn_app().await;
+    let sku = unique("sku-");
+    let start = Utc::now() + chrono::Duration::hours(1);
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let client = app.client.clone();
+        let url = app.url("/admin/activities");
+        let token = app.admin_token();
+        let body = json!({
+            "sku": sku, "stock": 10,
+            "starts_at": start, "ends_at": start + chrono::Duration::hours(1),
+        });
+        tasks.push(tokio::spawn(async move {
+            client
+                .post(url)
+                .bearer_auth(token)
+                .json(&body)
+                .send()
+                .await
+                .expect("sent")
+                .status()
+        }));
+    }
+    let mut created = 0;
+    for t in tasks {
+        match t.await.expect("task") {
+            StatusCode::CREATED => created += 1,
+            StatusCode::CONFLICT => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(created, 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn preload_pause_resume_and_live_figures() {
+    let app = spawn_app().await;
+    let sku = unique("sku-");
+    let now = Utc::now();
+    let resp = app
+        .create_activity(json!({
+            "sku": sku, "stock": 7,
+            "starts_at": now - chrono::Duration::seconds(5),
+            "ends_at": now + chrono::Duration::hours(1),
+        }))
+        .await;
+    let body: Value = resp.json().await.expect("json");
+    let id = body["id"].as_str().expect("id").to_owned();
+
+    // Open and not paused: a rebuild would forget reservations in flight.
+    let resp = app
+        .admin_post(&format!("/admin/activities/{id}/preload"), None)
+        .await;
+    assert_error(resp, StatusCode::CONFLICT, "conflict").await;
+
+    let resp = app
+        .admin_post(&format!("/admin/activities/{id}/pause"), None)
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    for _ in 0..2 {
+        // Idempotent: the same state twice.
+        let resp = app
+            .admin_post(&format!("/admin/activities/{id}/preload"), None)
+            .await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        let body: Value = resp.json().await.expect("json");
+        assert_eq!(body, json!({"stock": 7, "buyers": 0}));
+    }
+    let status: Value = app
+        .client
+        .get(app.url(&format!("/flash/{sku}")))
+        .send()
+        .await
+        .expect("sent")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(status["state"], "paused");
+    assert_eq!(status["stock_left"], 7);
+    let resp = app.reserve(&sku, "henry", None).await;
+    assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "paused").await;
+
+    let resp = app
+        .admin_post(&format!("/admin/activities/{id}/resume"), None)
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let resp = app.reserve(&sku, "henry", None).await;
+    assert_eq!(resp.status(), StatusCode::ACCEPTED);
+
+    let live: Value = app
+        .admin_get(&format!("/admin/activities/{id}"))
+        .await
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(live["id"], id.as_str());
+    assert_eq!(live["live"]["loaded"], true);
+    assert_eq!(live["live"]["redis_stock"], 6);
+    assert_eq!(live["live"]["reservations_pending"], 1);
+    assert_eq!(live["live"]["buyers"], 1);
+    assert!(live["orders_by_status"].is_object());
+
+    let status: Value = app
+        .client
+        .get(app.url(&format!("/flash/{sku}")))
+        .send()
+        .await
+        .expect("sent")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(status["state"], "open");
+    assert_eq!(status["stock_left"], 6);
+    assert_eq!(status["activity_id"], id.as_str());
+
+    for path in ["preload", "pause", "resume"] {
+        let resp = app
+            .admin_post(&format!("/admin/activities/nope/{path}"), None)
+            .await;
+        assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+    }
+    let resp = app.admin_get("/admin/activities/nope").await;
+    assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn sale_status_moves_through_its_states() {
+    let app = spawn_app().await;
+    let now = Utc::now();
+    let upcoming = unique("sku-");
+    app.create_activity(json!({
+        "sku": upcoming, "stock": 3,
+        "starts_at": now + chrono::Duration::hours(1),
+        "ends_at": now + chrono::Duration::hours(2),
+    }))
+    .await;
+    let ended = unique("sku-");
+    app.create_activity(json!({
+        "sku": ended, "stock": 3,
+        "starts_at": now - chrono::Duration::hours(2),
+        "ends_at": now - chrono::Duration::hours(1),
+    }))
+    .await;
+    let get = |sku: String| {
+        let client = app.client.clone();
+        let url = app.url(&format!("/flash/{sku}"));
+        async move {
+            client
+                .get(url)
+                .send()
+                .await
+                .expect("sent")
+                .json::<Value>()
+                .await
+                .expect("json")
+        }
+    };
+    assert_eq!(get(upcoming).await["state"], "upcoming");
+    assert_eq!(get(ended).await["state"], "ended");
+
+    let sale = app.open_sale(1, 1).await;
+    assert_eq!(get(sale.sku.clone()).await["state"], "open");
+    assert_eq!(
+        app.reserve(&sale.sku, "ivy", None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    let sold = get(sale.sku.clone()).await;
+    assert_eq!(sold["state"], "sold_out");
+    assert_eq!(sold["stock_left"], 0);
+    let resp = app.reserve(&sale.sku, "jack", None).await;
+    assert_error(resp, StatusCode::CONFLICT, "sold_out").await;
+    app.stop().await;
+}

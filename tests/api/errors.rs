@@ -1,0 +1,310 @@
+//! Every documented error of the user and admin endpoints, in the documented shape,
+//! with nothing held or written because of it.
+
+use chrono::Utc;
+use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::helpers::{assert_error, spawn_app, unique};
+
+fn sign(secret: &str, claims: serde_json::Value) -> String {
+    jsonwebtoken::encode(
+        &Header::new(Algorithm::HS256),
+        &claims,
+        &EncodingKey::from_secret(secret.as_bytes()).expect("key"),
+    )
+    .expect("token")
+}
+
+#[tokio::test]
+async fn bad_tokens_get_401() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(5, 1).await;
+    let url = app.url(&format!("/flash/{}/reserve", sale.sku));
+    let secret =
+        secrecy::ExposeSecret::expose_secret(&app.settings.auth.user_token_secret).to_owned();
+    let exp = Utc::now().timestamp() + 600;
+
+    let no_token = app.client.post(&url).send().await.expect("sent");
+    assert_error(no_token, StatusCode::UNAUTHORIZED, "unauthorized").await;
+
+    let bad_signature = sign(
+        "some-other-secret-entirely",
+        json!({"sub": "u1", "exp": exp}),
+    );
+    let resp = app
+        .client
+        .post(&url)
+        .bearer_auth(bad_signature)
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+
+    let expired = sign(
+        &secret,
+        json!({"sub": "u1", "exp": Utc::now().timestamp() - 600}),
+    );
+    let resp = app
+        .client
+        .post(&url)
+        .bearer_auth(expired)
+        .send()
+        .await
+        .expect("sent");
+    let body = assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    assert!(body["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("expired")));
+
+    let resp = app
+        .client
+        .post(&url)
+        .bearer_auth("garbage.not.jwt")
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+
+    let no_exp = sign(&secret, json!({"sub": "u1"}));
+    let resp = app
+        .client
+        .post(&url)
+        .bearer_auth(no_exp)
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+
+    let bad_sub = sign(&secret, json!({"sub": "not a valid id!", "exp": exp}));
+    let resp = app
+        .client
+        .post(&url)
+        .bearer_auth(bad_sub)
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+
+    let resp = app
+        .client
+        .post(&url)
+        .header("Authorization", "Basic dXNlcjpwYXNz")
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+
+    assert_eq!(app.redis_stock(&sale.id).await, Some(5), "nothing was held");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn bad_bodies_get_422_or_413() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(5, 2).await;
+    let url = app.url(&format!("/flash/{}/reserve", sale.sku));
+    let token = app.token("u2");
+
+    for body in [
+        json!({"quantity": 0}),
+        json!({"quantity": -1}),
+        json!({"quantity": "two"}),
+        json!({"quantity": 1.5}),
+        json!({"quantity": 3}),
+        json!({"quantity": 4_294_967_296_u64}),
+        json!("one"),
+    ] {
+        let resp = app
+            .client
+            .post(&url)
+            .bearer_auth(&token)
+            .json(&body)
+            .send()
+            .await
+            .expect("sent");
+        assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
+    }
+
+    let broken = app
+        .client
+        .post(&url)
+        .bearer_auth(&token)
+        .header("content-type", "application/json")
+        .body("{\"quantity\": ")
+        .send()
+        .await
+        .expect("sent");
+    assert_error(broken, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
+
+    let huge = format!(
+        "{{\"quantity\": 1, \"pad\": \"{}\"}}",
+        "x".repeat(64 * 1024)
+    );
+    let resp = app
+        .client
+        .post(&url)
+        .bearer_auth(&token)
+        .header("content-type", "application/json")
+        .body(huge)
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large").await;
+
+    assert_eq!(app.redis_stock(&sale.id).await, Some(5), "nothing was held");
+    let snap = app.state.stock.snapshot(&sale.id).await.expect("snapshot");
+    assert_eq!(snap.buyers, 0);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn unknown_sku_and_closed_windows() {
+    let app = spawn_app().await;
+    let resp = app.reserve("no-such-sku", "u3", None).await;
+    assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+    let resp = app
+        .client
+        .get(app.url("/flash/no-such-sku"))
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+
+    let now = Utc::now();
+    let later = unique("sku-");
+    let resp = app
+        .create_activity(json!({
+            "sku": later, "stock": 5,
+            "starts_at": now + chrono::Duration::hours(1),
+            "ends_at": now + chrono::Duration::hours(2),
+        }))
+        .await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let resp = app.reserve(&later, "u3", None).await;
+    assert_error(resp, StatusCode::FORBIDDEN, "not_started").await;
+
+    let past = unique("sku-");
+    let resp = app
+        .create_activity(json!({
+            "sku": past, "stock": 5,
+            "starts_at": now - chrono::Duration::hours(2),
+            "ends_at": now - chrono::Duration::hours(1),
+        }))
+        .await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let resp = app.reserve(&past, "u3", None).await;
+    assert_error(resp, StatusCode::FORBIDDEN, "ended").await;
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn admin_endpoints_need_the_admin_token() {
+    let app = spawn_app().await;
+    let body = json!({
+        "sku": unique("sku-"), "stock": 5,
+        "starts_at": Utc::now(), "ends_at": Utc::now() + chrono::Duration::hours(1),
+    });
+    let url = app.url("/admin/activities");
+    let resp = app
+        .client
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    let resp = app
+        .client
+        .post(&url)
+        .bearer_auth(app.token("mallory"))
+        .json(&body)
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    let resp = app
+        .client
+        .post(&url)
+        .bearer_auth(format!("{}x", app.admin_token()))
+        .json(&body)
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn invalid_activity_fields_get_422() {
+    let app = spawn_app().await;
+    let now = Utc::now();
+    let hour = chrono::Duration::hours(1);
+    let good = json!({
+        "sku": unique("sku-"), "stock": 5, "per_user_limit": 1,
+        "starts_at": now, "ends_at": now + hour, "payment_timeout_secs": 900,
+    });
+    let mut cases = Vec::new();
+    for (field, value) in [
+        ("stock", json!(0)),
+        ("stock", json!(-5)),
+        ("stock", json!("many")),
+        ("per_user_limit", json!(0)),
+        ("per_user_limit", json!(6)),
+        ("starts_at", json!("yesterday")),
+        ("ends_at", json!(now - hour)),
+        ("payment_timeout_secs", json!(0)),
+        ("id", json!("has spaces")),
+        ("id", json!("x".repeat(65))),
+        ("sku", json!("")),
+        ("sku", json!("a/b")),
+        ("unexpected", json!(1)),
+    ] {
+        let mut body = good.clone();
+        body[field] = value;
+        cases.push(body);
+    }
+    let mut missing = good.clone();
+    missing.as_object_mut().expect("object").remove("sku");
+    cases.push(missing);
+    for body in cases {
+        let resp = app.create_activity(body.clone()).await;
+        assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
+    }
+    let resp = app
+        .client
+        .post(app.url("/admin/activities"))
+        .bearer_auth(app.admin_token())
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
+    // None of them was stored.
+    let count: (i64,) = sqlx::query_as("SELECT COUNT(*) FROM activities")
+        .fetch_one(&app.state.pool)
+        .await
+        .expect("count");
+    assert_eq!(count.0, 0);
+    // The good one is accepted.
+    let resp = app.create_activity(good).await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods_answer_json() {
+    let app = spawn_app().await;
+    let resp = app.client.get(app.url("/nope")).send().await.expect("sent");
+    assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+    let resp = app
+        .client
+        .delete(app.url("/flash/x"))
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed").await;
+    app.stop().await;
+}

@@ -1,0 +1,353 @@
+//! The test harness: every test spawns the real application on port 0 against the
+//! real Redis, MariaDB and Kafka-protocol broker, with its own database, topic,
+//! consumer group and activity ids, so tests run in parallel without sharing state.
+
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+use flashsale::config::Settings;
+use flashsale::queue::ReservationMessage;
+use flashsale::startup::{self, Application};
+use flashsale::state::AppState;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use reqwest::{Response, StatusCode};
+use secrecy::{ExposeSecret, SecretString};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+pub fn kafka_brokers() -> String {
+    std::env::var("FLASHSALE_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}{}", uuid::Uuid::new_v4().simple())
+}
+
+/// Settings for one isolated test: a fresh database, topic and group, port 0, and
+/// rate limits off (the rate-limit tests turn them on).
+pub fn test_settings() -> Settings {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let mut s = Settings::load_from(&dir, "test").expect("config/default.toml loads");
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    s.server.addr = "127.0.0.1:0".into();
+    s.mysql.url = SecretString::from(format!("mysql://root@127.0.0.1:3306/flashsale_t_{id}"));
+    s.mysql.max_connections = 5;
+    s.kafka.brokers = kafka_brokers();
+    s.kafka.topic = format!("flash.t.{id}");
+    s.kafka.dead_letter_topic = format!("flash.t.{id}.dlq");
+    s.kafka.group_id = format!("flashsale-t-{id}");
+    s.kafka.partitions = 3;
+    // The reserve-path tests look at Redis before any order exists; the order
+    // tests switch the workers on.
+    s.consumer.enabled = false;
+    s.orders.sweeper_enabled = false;
+    s.reconcile.enabled = false;
+    s.rate_limit.per_ip_per_sec = 0;
+    s.rate_limit.per_user_per_sec = 0;
+    s
+}
+
+pub struct TestApp {
+    pub address: String,
+    pub client: reqwest::Client,
+    pub settings: Settings,
+    pub state: AppState,
+    pub shutdown: CancellationToken,
+    pub server: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+pub async fn spawn_app() -> TestApp {
+    spawn_app_with(|_| {}).await
+}
+
+/// Logs go to the test's captured output (shown for failing tests); `RUST_LOG`
+/// picks the level, warnings by default.
+fn init_test_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .try_init();
+    });
+}
+
+pub async fn spawn_app_with(customise: impl FnOnce(&mut Settings)) -> TestApp {
+    init_test_logging();
+    let mut settings = test_settings();
+    customise(&mut settings);
+    startup::migrate(&settings.mysql)
+        .await
+        .expect("migrations apply");
+    let app = Application::build(settings.clone())
+        .await
+        .expect("application builds");
+    let address = format!("http://127.0.0.1:{}", app.port());
+    let state = app.state();
+    let shutdown = app.shutdown_token();
+    let server = tokio::spawn(app.run_until_stopped());
+    TestApp {
+        address,
+        client: reqwest::Client::builder()
+            .pool_max_idle_per_host(512)
+            .build()
+            .expect("http client"),
+        settings,
+        state,
+        shutdown,
+        server,
+    }
+}
+
+pub struct Sale {
+    pub id: String,
+    pub sku: String,
+}
+
+impl TestApp {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.address, path)
+    }
+
+    pub fn admin_token(&self) -> String {
+        self.settings.auth.admin_token.expose_secret().to_owned()
+    }
+
+    pub fn token(&self, user: &str) -> String {
+        self.state.auth.issue(user, 3600).expect("token")
+    }
+
+    pub async fn admin_post(&self, path: &str, body: Option<Value>) -> Response {
+        let mut req = self
+            .client
+            .post(self.url(path))
+            .bearer_auth(self.admin_token());
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        req.send().await.expect("request sent")
+    }
+
+    pub async fn admin_get(&self, path: &str) -> Response {
+        self.client
+            .get(self.url(path))
+            .bearer_auth(self.admin_token())
+            .send()
+            .await
+            .expect("request sent")
+    }
+
+    /// Creates an activity and returns the answer.
+    pub async fn create_activity(&self, body: Value) -> Response {
+        self.admin_post("/admin/activities", Some(body)).await
+    }
+
+    /// An activity open now with `stock` units, loaded into Redis and selling:
+    /// created, paused, preloaded, resumed — the operator's sequence.
+    pub async fn open_sale(&self, stock: u32, per_user_limit: u32) -> Sale {
+        let sku = unique("sku-");
+        let now = Utc::now();
+        let resp = self
+            .create_activity(json!({
+                "sku": sku,
+                "stock": stock,
+                "per_user_limit": per_user_limit,
+                "starts_at": now - chrono::Duration::seconds(5),
+                "ends_at": now + chrono::Duration::hours(1),
+                "payment_timeout_secs": 900,
+            }))
+            .await;
+        assert_eq!(resp.status(), StatusCode::CREATED);
+        let body: Value = resp.json().await.expect("json");
+        let id = body["id"].as_str().expect("id").to_owned();
+        for step in ["pause", "preload", "resume"] {
+            let r = self
+                .admin_post(&format!("/admin/activities/{id}/{step}"), None)
+                .await;
+            assert_eq!(r.status(), StatusCode::OK, "{step} failed");
+        }
+        Sale { id, sku }
+    }
+
+    pub async fn reserve(&self, sku: &str, user: &str, body: Option<Value>) -> Response {
+        let mut req = self
+            .client
+            .post(self.url(&format!("/flash/{sku}/reserve")))
+            .bearer_auth(self.token(user));
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        req.send().await.expect("request sent")
+    }
+
+    pub async fn redis_stock(&self, activity_id: &str) -> Option<i64> {
+        self.state
+            .stock
+            .stock_left(activity_id)
+            .await
+            .expect("redis answers")
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.server
+            .await
+            .expect("server task joins")
+            .expect("server stops cleanly");
+    }
+}
+
+/// Asserts the documented error shape and code, and returns the body.
+pub async fn assert_error(resp: Response, status: StatusCode, code: &str) -> Value {
+    assert_eq!(resp.status(), status, "unexpected status");
+    let body: Value = resp.json().await.expect("error body is JSON");
+    assert_eq!(body["code"], code, "unexpected code in {body}");
+    assert!(
+        body["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "message missing in {body}"
+    );
+    body
+}
+
+/// Reads every message on the topic, up to the high watermark of each partition at
+/// the time of the call.
+pub async fn read_topic(topic: &str) -> Vec<ReservationMessage> {
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || read_topic_blocking(&topic))
+        .await
+        .expect("reader task")
+}
+
+fn read_topic_blocking(topic: &str) -> Vec<ReservationMessage> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", kafka_brokers())
+        .set("group.id", unique("reader-"))
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    let md = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(5))
+        .expect("metadata");
+    let partitions: Vec<i32> = md.topics()[0].partitions().iter().map(|p| p.id()).collect();
+    assert!(!partitions.is_empty(), "topic {topic} has no partitions");
+    let mut tpl = TopicPartitionList::new();
+    let mut ends = HashMap::new();
+    let mut remaining = 0;
+    for p in partitions {
+        let (lo, hi) = consumer
+            .fetch_watermarks(topic, p, Duration::from_secs(5))
+            .expect("watermarks");
+        if hi > lo {
+            tpl.add_partition_offset(topic, p, Offset::Offset(lo))
+                .expect("partition");
+            ends.insert(p, hi);
+            remaining += hi - lo;
+        }
+    }
+    let mut out = Vec::new();
+    if remaining == 0 {
+        return out;
+    }
+    consumer.assign(&tpl).expect("assign");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while remaining > 0 {
+        assert!(Instant::now() < deadline, "timed out reading {topic}");
+        if let Some(m) = consumer.poll(Duration::from_millis(500)) {
+            let m = m.expect("message");
+            if m.offset() < ends[&m.partition()] {
+                remaining -= 1;
+                out.push(
+                    serde_json::from_slice(m.payload().expect("payload")).expect("valid message"),
+                );
+            }
+        }
+    }
+    out
+}
+
+/// A Kafka-protocol broker of the test's own, on a free port, with its data in a
+/// temporary folder: a test may kill it without disturbing the others.
+pub struct OwnBroker {
+    pub port: u16,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+fn tansu_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let candidate = dir.join("tansu");
+            if candidate.is_file() {
+                return candidate;
+            }
+        }
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let candidate = home.join(".cargo/bin/tansu");
+    assert!(
+        candidate.is_file(),
+        "tansu is not installed: run scripts/services.sh"
+    );
+    candidate
+}
+
+impl OwnBroker {
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port();
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new(tansu_binary())
+            .current_dir(dir.path())
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+                "--storage-engine",
+                "sqlite://tansu.db",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("tansu starts");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "own broker did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        OwnBroker {
+            port,
+            child,
+            _dir: dir,
+        }
+    }
+
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for OwnBroker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,9 @@
+//! Black-box tests of the HTTP API against real Redis, MariaDB and a Kafka-protocol
+//! broker. One file per feature; `helpers` builds an isolated app per test.
+
+mod admin;
+mod errors;
+mod helpers;
+mod ops;
+mod rate_limit;
+mod reserve;

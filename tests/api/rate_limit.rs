@@ -1,0 +1,90 @@
+//! Per-user and per-IP token buckets answer 429 with Retry-After before Redis.
+
+use reqwest::StatusCode;
+
+use crate::helpers::{assert_error, spawn_app_with};
+
+#[tokio::test]
+async fn a_user_over_quota_gets_429_while_another_is_served() {
+    let app = spawn_app_with(|s| {
+        s.rate_limit.per_user_per_sec = 1;
+        s.rate_limit.per_user_burst = 2;
+    })
+    .await;
+    let sale = app.open_sale(10, 1).await;
+
+    let mut statuses = Vec::new();
+    let mut limited = None;
+    for _ in 0..5 {
+        let resp = app.reserve(&sale.sku, "greedy", None).await;
+        statuses.push(resp.status());
+        if resp.status() == StatusCode::TOO_MANY_REQUESTS && limited.is_none() {
+            let retry_after: u64 = resp
+                .headers()
+                .get("retry-after")
+                .expect("Retry-After header")
+                .to_str()
+                .expect("text")
+                .parse()
+                .expect("seconds");
+            assert!(retry_after >= 1);
+            limited = Some(assert_error(resp, StatusCode::TOO_MANY_REQUESTS, "rate_limited").await);
+        }
+    }
+    assert_eq!(statuses[0], StatusCode::ACCEPTED);
+    assert_eq!(
+        statuses[1],
+        StatusCode::CONFLICT,
+        "second is already_reserved"
+    );
+    assert!(limited.is_some(), "the user was limited: {statuses:?}");
+    let limited_count = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::TOO_MANY_REQUESTS)
+        .count();
+    assert!(limited_count >= 2, "burst of 2 then limited: {statuses:?}");
+
+    let other = app.reserve(&sale.sku, "patient", None).await;
+    assert_eq!(
+        other.status(),
+        StatusCode::ACCEPTED,
+        "another user is served"
+    );
+    assert_eq!(app.redis_stock(&sale.id).await, Some(8));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn per_ip_limit_applies_before_auth() {
+    let app = spawn_app_with(|s| {
+        s.rate_limit.per_ip_per_sec = 1;
+        s.rate_limit.per_ip_burst = 3;
+    })
+    .await;
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        let resp = app
+            .client
+            .get(app.url("/flash/unknown-sku"))
+            .send()
+            .await
+            .expect("sent");
+        statuses.push(resp.status());
+    }
+    assert_eq!(&statuses[..3], &[StatusCode::NOT_FOUND; 3]);
+    assert!(
+        statuses[3..]
+            .iter()
+            .all(|s| *s == StatusCode::TOO_MANY_REQUESTS),
+        "{statuses:?}"
+    );
+    // Probes are not limited.
+    let health = app
+        .client
+        .get(app.url("/healthz"))
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(health.status(), StatusCode::OK);
+    app.stop().await;
+}

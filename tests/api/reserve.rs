@@ -1,0 +1,307 @@
+//! The reserve path end to end: Redis Lua → Kafka → 202.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use flashsale::stock::{RefundMode, RefundOutcome};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use tokio::sync::Semaphore;
+
+use crate::helpers::{assert_error, read_topic, spawn_app, spawn_app_with, OwnBroker};
+
+/// Fires `clicks` concurrent reserve requests for each of `users` users and returns
+/// (user, status, body) for every answer.
+async fn crowd(
+    app: &crate::helpers::TestApp,
+    sku: &str,
+    users: usize,
+    clicks: usize,
+    parallel: usize,
+) -> Vec<(String, StatusCode, Value)> {
+    let gate = Arc::new(Semaphore::new(parallel));
+    let mut tasks = Vec::with_capacity(users * clicks);
+    for u in 0..users {
+        let user = format!("user-{u}");
+        let token = app.token(&user);
+        for _ in 0..clicks {
+            let client = app.client.clone();
+            let url = app.url(&format!("/flash/{sku}/reserve"));
+            let token = token.clone();
+            let user = user.clone();
+            let gate = gate.clone();
+            tasks.push(tokio::spawn(async move {
+                let _permit = gate.acquire_owned().await.expect("semaphore open");
+                let resp = client
+                    .post(url)
+                    .bearer_auth(token)
+                    .send()
+                    .await
+                    .expect("request sent");
+                let status = resp.status();
+                let body: Value = resp.json().await.expect("JSON body");
+                (user, status, body)
+            }));
+        }
+    }
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        out.push(t.await.expect("request task"));
+    }
+    out
+}
+
+/// The seed's test: 100 users click twice, 200 concurrent requests for 10 units.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn seed_test_200_requests_for_10_units() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(10, 1).await;
+
+    let answers = crowd(&app, &sale.sku, 100, 2, 200).await;
+
+    let accepted: Vec<_> = answers
+        .iter()
+        .filter(|(_, s, _)| *s == StatusCode::ACCEPTED)
+        .collect();
+    let refused = answers
+        .iter()
+        .filter(|(_, s, b)| {
+            *s == StatusCode::CONFLICT
+                && (b["code"] == "sold_out" || b["code"] == "already_reserved")
+        })
+        .count();
+    assert_eq!(accepted.len(), 10, "exactly 10 reservations");
+    assert_eq!(
+        refused, 190,
+        "every other request is sold_out or already_reserved"
+    );
+
+    let winners: HashSet<&str> = accepted.iter().map(|(u, _, _)| u.as_str()).collect();
+    assert_eq!(winners.len(), 10, "10 distinct winners");
+    for (_, _, body) in &accepted {
+        assert_eq!(body["status"], "pending");
+        assert_eq!(body["quantity"], 1);
+        assert_eq!(body["activity_id"], sale.id.as_str());
+    }
+
+    assert_eq!(app.redis_stock(&sale.id).await, Some(0), "Redis stock is 0");
+    let snap = app.state.stock.snapshot(&sale.id).await.expect("snapshot");
+    assert_eq!(snap.buyers, 10, "10 buyers recorded");
+    assert_eq!(snap.pending, 10, "10 reservations pending");
+
+    let messages = read_topic(&app.settings.kafka.topic).await;
+    assert_eq!(messages.len(), 10, "10 messages on the topic");
+    let reserved: HashMap<&str, &str> = accepted
+        .iter()
+        .map(|(u, _, b)| (u.as_str(), b["reservation_id"].as_str().expect("id")))
+        .collect();
+    for m in &messages {
+        assert_eq!(m.activity_id, sale.id);
+        assert_eq!(m.sku, sale.sku);
+        assert_eq!(m.quantity, 1);
+        assert_eq!(
+            reserved.get(m.user_id.as_str()).copied(),
+            Some(m.reservation_id.as_str()),
+            "each message is a winner's reservation"
+        );
+    }
+    app.stop().await;
+}
+
+/// The same at scale: 2,000 users × 2 concurrent clicks for 100 units.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn scale_4000_requests_for_100_units() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(100, 1).await;
+
+    let answers = crowd(&app, &sale.sku, 2000, 2, 256).await;
+
+    let server_errors: Vec<_> = answers
+        .iter()
+        .filter(|(_, s, _)| s.is_server_error())
+        .collect();
+    assert!(
+        server_errors.is_empty(),
+        "no 5xx: {:?}",
+        server_errors.first()
+    );
+    let winners: HashSet<&str> = answers
+        .iter()
+        .filter(|(_, s, _)| *s == StatusCode::ACCEPTED)
+        .map(|(u, _, _)| u.as_str())
+        .collect();
+    let accepted = answers
+        .iter()
+        .filter(|(_, s, _)| *s == StatusCode::ACCEPTED)
+        .count();
+    assert_eq!(accepted, 100, "exactly 100 reservations");
+    assert_eq!(winners.len(), 100, "100 distinct winners");
+    assert!(answers
+        .iter()
+        .all(|(_, s, _)| *s == StatusCode::ACCEPTED || *s == StatusCode::CONFLICT));
+    assert_eq!(app.redis_stock(&sale.id).await, Some(0));
+    let messages = read_topic(&app.settings.kafka.topic).await;
+    assert_eq!(messages.len(), 100, "one message per reservation");
+    let users: HashSet<_> = messages.iter().map(|m| m.user_id.as_str()).collect();
+    assert_eq!(users, winners, "the messages are the winners'");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_winner_repeating_gets_the_same_reservation() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(5, 1).await;
+
+    let first = app.reserve(&sale.sku, "alice", None).await;
+    assert_eq!(first.status(), StatusCode::ACCEPTED);
+    let first: Value = first.json().await.expect("json");
+    let id = first["reservation_id"].as_str().expect("id").to_owned();
+
+    let again = app.reserve(&sale.sku, "alice", None).await;
+    let body = assert_error(again, StatusCode::CONFLICT, "already_reserved").await;
+    assert_eq!(body["reservation_id"], id.as_str());
+    assert_eq!(
+        app.redis_stock(&sale.id).await,
+        Some(4),
+        "a retry holds no second unit"
+    );
+
+    let status = app
+        .client
+        .get(app.url(&format!("/flash/{}/reservation", sale.sku)))
+        .bearer_auth(app.token("alice"))
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(status.status(), StatusCode::OK);
+    let status: Value = status.json().await.expect("json");
+    assert_eq!(status["reservation_id"], id.as_str());
+    assert_eq!(status["status"], "pending");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn quantity_up_to_the_per_user_limit() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(5, 3).await;
+    let resp = app
+        .reserve(&sale.sku, "bob", Some(json!({"quantity": 3})))
+        .await;
+    assert_eq!(resp.status(), StatusCode::ACCEPTED);
+    let body: Value = resp.json().await.expect("json");
+    assert_eq!(body["quantity"], 3);
+    assert_eq!(app.redis_stock(&sale.id).await, Some(2));
+    // Two left: asking for three is sold out, not a partial reservation.
+    let resp = app
+        .reserve(&sale.sku, "carol", Some(json!({"quantity": 3})))
+        .await;
+    assert_error(resp, StatusCode::CONFLICT, "sold_out").await;
+    assert_eq!(app.redis_stock(&sale.id).await, Some(2));
+    let messages = read_topic(&app.settings.kafka.topic).await;
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0].quantity, 3);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn refund_twice_returns_one_unit() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(3, 1).await;
+    let resp = app.reserve(&sale.sku, "dave", None).await;
+    assert_eq!(resp.status(), StatusCode::ACCEPTED);
+    let body: Value = resp.json().await.expect("json");
+    let id = body["reservation_id"].as_str().expect("id");
+    assert_eq!(app.redis_stock(&sale.id).await, Some(2));
+
+    let refund = || {
+        app.state
+            .stock
+            .refund(&sale.id, id, "dave", 1, RefundMode::Return)
+    };
+    let first = refund().await.expect("refund");
+    assert_eq!(first, RefundOutcome::Returned { units: 1 });
+    let second = refund().await.expect("refund");
+    assert_eq!(second, RefundOutcome::AlreadyRefunded);
+    assert_eq!(
+        app.redis_stock(&sale.id).await,
+        Some(3),
+        "one unit back, once"
+    );
+    // Undoing a reservation that is not pending (the answer of a reserve that never
+    // ran) returns nothing.
+    let unknown = app
+        .state
+        .stock
+        .refund(&sale.id, "no-such-reservation", "dave", 1, RefundMode::Undo)
+        .await
+        .expect("refund");
+    assert_eq!(unknown, RefundOutcome::NothingToUndo);
+    assert_eq!(app.redis_stock(&sale.id).await, Some(3));
+    // The purchase right was kept: the same user cannot reserve again.
+    let again = app.reserve(&sale.sku, "dave", None).await;
+    assert_error(again, StatusCode::CONFLICT, "already_reserved").await;
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn sold_out_is_not_confused_with_not_loaded() {
+    let app = spawn_app().await;
+    let now = chrono::Utc::now();
+    let sku = crate::helpers::unique("sku-");
+    let resp = app
+        .create_activity(json!({
+            "sku": sku, "stock": 5,
+            "starts_at": now - chrono::Duration::seconds(5),
+            "ends_at": now + chrono::Duration::hours(1),
+        }))
+        .await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let body: Value = resp.json().await.expect("json");
+    let id = body["id"].as_str().expect("id").to_owned();
+    // Open, but never preloaded: Redis has no key, which must not read as zero.
+    let resp = app.reserve(&sku, "erin", None).await;
+    assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    assert_eq!(app.redis_stock(&id).await, None, "nothing was written");
+    app.stop().await;
+}
+
+/// The broker dies: the reservation is refused with 503 and its unit returned.
+#[tokio::test]
+async fn broker_down_answers_503_and_holds_no_stock() {
+    let mut broker = OwnBroker::start();
+    let brokers = broker.brokers();
+    let app = spawn_app_with(|s| {
+        s.kafka.brokers = brokers;
+        s.kafka.publish_timeout_ms = 1500;
+    })
+    .await;
+    let sale = app.open_sale(10, 1).await;
+    let ok = app.reserve(&sale.sku, "frank", None).await;
+    assert_eq!(ok.status(), StatusCode::ACCEPTED);
+    assert_eq!(app.redis_stock(&sale.id).await, Some(9));
+
+    broker.kill();
+
+    let resp = app.reserve(&sale.sku, "grace", None).await;
+    let body = assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    assert!(body["message"]
+        .as_str()
+        .is_some_and(|m| !m.contains("127.0.0.1")));
+    assert_eq!(
+        app.redis_stock(&sale.id).await,
+        Some(9),
+        "the unit came back"
+    );
+    let snap = app.state.stock.snapshot(&sale.id).await.expect("snapshot");
+    assert_eq!(snap.pending, 1, "only frank's reservation is pending");
+    assert_eq!(snap.buyers, 1, "grace may try again");
+    let readyz = app
+        .client
+        .get(app.url("/readyz"))
+        .send()
+        .await
+        .expect("sent");
+    let body = assert_error(readyz, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    assert_eq!(body["checks"]["kafka"], "down");
+    app.stop().await;
+}
