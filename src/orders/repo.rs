@@ -154,89 +154,180 @@ impl OrderRepo {
         &self.pool
     }
 
-    /// Applies a batch in one transaction. The activities involved are locked
-    /// first, in id order, so concurrent consumers queue on them instead of
-    /// deadlocking; each unit taken is guarded by `available >= q`, so MySQL never
-    /// oversells whatever Redis said.
+    /// Applies a batch in one transaction, in a handful of statements whatever its
+    /// size:
     ///
-    /// Orders are inserted with `ON DUPLICATE KEY UPDATE`: on a duplicate key InnoDB
-    /// then takes an exclusive lock at once, where a plain or `IGNORE` insert would
-    /// take a shared lock first and two concurrent duplicates could deadlock on the
-    /// upgrade. The update bumps `redeliveries`, so "affected rows" tells a new row
-    /// (1) from a duplicate (2).
+    /// 1. the batch's activities are locked (`FOR UPDATE`, in id order). Every path
+    ///    that creates orders takes this lock first, so while it is held nobody else
+    ///    inserts orders for these activities, and concurrent consumers queue here
+    ///    instead of deadlocking on the orders' unique indexes (an insert that hits
+    ///    a duplicate key takes a shared lock, and two such inserts can deadlock on
+    ///    the upgrade; here no insert is ever a duplicate);
+    /// 2. the orders that already exist for the batch's reservations and users are
+    ///    read, and each message is decided in memory, in arrival order: a known
+    ///    reservation is a redelivery, a user with another order is superseded, and
+    ///    a new one takes units only while the locked `available` covers them;
+    /// 3. one multi-row insert writes the new orders (and the failed ones), one
+    ///    guarded update per activity takes the units (`available >= taken`, which
+    ///    holds under the lock; MySQL's check constraint backs it), and one update
+    ///    counts the redeliveries.
     pub async fn apply_batch(&self, batch: &[Incoming]) -> Result<Vec<Decision>, sqlx::Error> {
-        let mut order: Vec<usize> = (0..batch.len()).collect();
-        order.sort_by(|&a, &b| {
-            (&batch[a].activity_id, &batch[a].user_id)
-                .cmp(&(&batch[b].activity_id, &batch[b].user_id))
-        });
+        use std::collections::{HashMap, HashSet};
+
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut ids: Vec<&str> = batch.iter().map(|m| m.activity_id.as_str()).collect();
         ids.sort_unstable();
         ids.dedup();
 
         let mut tx = self.pool.begin().await?;
-        let placeholders = vec!["?"; ids.len()].join(",");
         let sql = format!(
-            "SELECT id, payment_timeout_secs FROM activities WHERE id IN ({placeholders}) ORDER BY id FOR UPDATE"
+            "SELECT id, payment_timeout_secs, available FROM activities WHERE id IN ({}) ORDER BY id FOR UPDATE",
+            placeholders(ids.len())
         );
-        let mut q = sqlx::query_as::<_, (String, u32)>(&sql);
+        let mut q = sqlx::query_as::<_, (String, u32, i32)>(&sql);
         for id in &ids {
             q = q.bind(*id);
         }
-        let timeouts: std::collections::HashMap<String, u32> =
-            q.fetch_all(&mut *tx).await?.into_iter().collect();
+        let mut activities: HashMap<String, (u32, i64)> = q
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .map(|(id, timeout, available)| (id, (timeout, i64::from(available))))
+            .collect();
 
-        let mut decisions = vec![Decision::Duplicate; batch.len()];
-        for i in order {
-            let m = &batch[i];
-            let decision = match timeouts.get(&m.activity_id) {
-                None => insert_failed(&mut tx, m, "unknown activity").await?,
-                Some(&timeout) => {
-                    let inserted = sqlx::query(
-                        "INSERT INTO orders \
-                         (reservation_id, activity_id, user_id, quantity, status, created_at, expires_at) \
-                         VALUES (?, ?, ?, ?, 'pending_payment', NOW(3), NOW(3) + INTERVAL ? SECOND) \
-                         ON DUPLICATE KEY UPDATE redeliveries = redeliveries + 1",
-                    )
+        // What already exists, for these reservations or these users.
+        let mut sql = format!(
+            "SELECT reservation_id, activity_id, user_id FROM orders WHERE reservation_id IN ({})",
+            placeholders(batch.len())
+        );
+        let mut users_by_activity: HashMap<&str, Vec<&str>> = HashMap::new();
+        for m in batch {
+            users_by_activity
+                .entry(m.activity_id.as_str())
+                .or_default()
+                .push(m.user_id.as_str());
+        }
+        for users in users_by_activity.values() {
+            sql.push_str(&format!(
+                " OR (activity_id = ? AND user_id IN ({}))",
+                placeholders(users.len())
+            ));
+        }
+        let mut q = sqlx::query_as::<_, (String, String, String)>(&sql);
+        for m in batch {
+            q = q.bind(&m.reservation_id);
+        }
+        for (activity, users) in &users_by_activity {
+            q = q.bind(*activity);
+            for u in users {
+                q = q.bind(*u);
+            }
+        }
+        let existing = q.fetch_all(&mut *tx).await?;
+        let mut known_reservations: HashSet<String> = HashSet::new();
+        let mut known_users: HashSet<(String, String)> = HashSet::new();
+        for (reservation, activity, user) in existing {
+            known_reservations.insert(reservation);
+            known_users.insert((activity, user));
+        }
+
+        let mut decisions = Vec::with_capacity(batch.len());
+        let mut rows: Vec<(&Incoming, &'static str, Option<&'static str>, Option<u32>)> =
+            Vec::new();
+        let mut taken: HashMap<&str, i64> = HashMap::new();
+        let mut redelivered: HashMap<&str, u32> = HashMap::new();
+        for m in batch {
+            let user_key = (m.activity_id.clone(), m.user_id.clone());
+            let decision = if known_reservations.contains(&m.reservation_id) {
+                *redelivered.entry(m.reservation_id.as_str()).or_default() += 1;
+                Decision::Duplicate
+            } else if known_users.contains(&user_key) {
+                Decision::Superseded
+            } else {
+                let decision = match activities.get_mut(&m.activity_id) {
+                    None => {
+                        let reason = "unknown activity";
+                        rows.push((m, "failed", Some(reason), None));
+                        Decision::Failed { reason }
+                    }
+                    Some((timeout, available)) if *available >= i64::from(m.quantity) => {
+                        *available -= i64::from(m.quantity);
+                        *taken.entry(m.activity_id.as_str()).or_default() += i64::from(m.quantity);
+                        rows.push((m, "pending_payment", None, Some(*timeout)));
+                        Decision::Ordered
+                    }
+                    Some(_) => {
+                        let reason = "no units left in the database";
+                        rows.push((m, "failed", Some(reason), None));
+                        Decision::Failed { reason }
+                    }
+                };
+                known_reservations.insert(m.reservation_id.clone());
+                known_users.insert(user_key);
+                decision
+            };
+            decisions.push(decision);
+        }
+
+        for chunk in rows.chunks(500) {
+            let values =
+                vec!["(?, ?, ?, ?, ?, ?, NOW(3), NOW(3) + INTERVAL ? SECOND)"; chunk.len()]
+                    .join(", ");
+            let sql = format!(
+                "INSERT INTO orders \
+                 (reservation_id, activity_id, user_id, quantity, status, failure_reason, created_at, expires_at) \
+                 VALUES {values}"
+            );
+            let mut q = sqlx::query(&sql);
+            for (m, status, reason, timeout) in chunk {
+                q = q
                     .bind(&m.reservation_id)
                     .bind(&m.activity_id)
                     .bind(&m.user_id)
                     .bind(m.quantity)
-                    .bind(timeout)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
-                    if inserted == 1 {
-                        let taken = sqlx::query(
-                            "UPDATE activities SET available = available - ? \
-                             WHERE id = ? AND available >= ?",
-                        )
-                        .bind(m.quantity)
-                        .bind(&m.activity_id)
-                        .bind(m.quantity)
-                        .execute(&mut *tx)
-                        .await?
-                        .rows_affected();
-                        if taken == 1 {
-                            Decision::Ordered
-                        } else {
-                            let reason = "no units left in the database";
-                            sqlx::query(
-                                "UPDATE orders SET status = 'failed', failure_reason = ?, expires_at = NULL \
-                                 WHERE reservation_id = ?",
-                            )
-                            .bind(reason)
-                            .bind(&m.reservation_id)
-                            .execute(&mut *tx)
-                            .await?;
-                            Decision::Failed { reason }
-                        }
-                    } else {
-                        duplicate_of(&mut tx, m).await?
-                    }
-                }
-            };
-            decisions[i] = decision;
+                    .bind(*status)
+                    .bind(*reason)
+                    // NULL seconds make a NULL deadline, right for a failed row.
+                    .bind(*timeout);
+            }
+            q.execute(&mut *tx).await?;
+        }
+        for (activity, units) in &taken {
+            let done = sqlx::query(
+                "UPDATE activities SET available = available - ? WHERE id = ? AND available >= ?",
+            )
+            .bind(units)
+            .bind(activity)
+            .bind(units)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if done != 1 {
+                // Impossible while the row is locked; refuse the batch rather than
+                // write orders without their units.
+                return Err(sqlx::Error::InvalidArgument(format!(
+                    "activity {activity} lost units under its lock"
+                )));
+            }
+        }
+        // Redeliveries are counted per reservation; grouped by count, that is one
+        // statement in the usual case (each seen once more).
+        let mut by_count: HashMap<u32, Vec<&str>> = HashMap::new();
+        for (reservation, n) in redelivered {
+            by_count.entry(n).or_default().push(reservation);
+        }
+        for (n, reservations) in by_count {
+            let sql = format!(
+                "UPDATE orders SET redeliveries = redeliveries + ? WHERE reservation_id IN ({})",
+                placeholders(reservations.len())
+            );
+            let mut q = sqlx::query(&sql).bind(n);
+            for r in reservations {
+                q = q.bind(r);
+            }
+            q.execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(decisions)
@@ -358,44 +449,6 @@ pub enum PayOutcome {
     NotFound,
 }
 
-async fn insert_failed(
-    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
-    m: &Incoming,
-    reason: &'static str,
-) -> Result<Decision, sqlx::Error> {
-    let inserted = sqlx::query(
-        "INSERT INTO orders (reservation_id, activity_id, user_id, quantity, status, failure_reason, created_at) \
-         VALUES (?, ?, ?, ?, 'failed', ?, NOW(3)) \
-         ON DUPLICATE KEY UPDATE redeliveries = redeliveries + 1",
-    )
-    .bind(&m.reservation_id)
-    .bind(&m.activity_id)
-    .bind(&m.user_id)
-    .bind(m.quantity)
-    .bind(reason)
-    .execute(&mut **tx)
-    .await?
-    .rows_affected();
-    if inserted == 1 {
-        Ok(Decision::Failed { reason })
-    } else {
-        duplicate_of(tx, m).await
-    }
-}
-
-/// The row that made the insert a duplicate: this very reservation (a redelivery),
-/// or another reservation of the same user (this one loses).
-async fn duplicate_of(
-    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
-    m: &Incoming,
-) -> Result<Decision, sqlx::Error> {
-    let same: Option<(u64,)> = sqlx::query_as("SELECT id FROM orders WHERE reservation_id = ?")
-        .bind(&m.reservation_id)
-        .fetch_optional(&mut **tx)
-        .await?;
-    Ok(if same.is_some() {
-        Decision::Duplicate
-    } else {
-        Decision::Superseded
-    })
+fn placeholders(n: usize) -> String {
+    vec!["?"; n].join(",")
 }

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
@@ -273,6 +274,33 @@ fn read_topic_blocking(topic: &str) -> Vec<ReservationMessage> {
     out
 }
 
+/// How many messages the topic holds (the sum of its partitions' watermarks).
+pub async fn topic_len(topic: &str) -> usize {
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", kafka_brokers())
+            .set("group.id", unique("len-"))
+            .create()
+            .expect("consumer");
+        let md = consumer
+            .fetch_metadata(Some(&topic), Duration::from_secs(5))
+            .expect("metadata");
+        md.topics()[0]
+            .partitions()
+            .iter()
+            .map(|p| {
+                let (lo, hi) = consumer
+                    .fetch_watermarks(&topic, p.id(), Duration::from_secs(5))
+                    .expect("watermarks");
+                usize::try_from(hi - lo).unwrap_or(0)
+            })
+            .sum()
+    })
+    .await
+    .expect("reader task")
+}
+
 /// A Kafka-protocol broker of the test's own, on a free port, with its data in a
 /// temporary folder: a test may kill it without disturbing the others.
 pub struct OwnBroker {
@@ -349,5 +377,118 @@ impl OwnBroker {
 impl Drop for OwnBroker {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// Polls `check` until it returns `Some`, or fails the test after `within`.
+/// For outcomes that arrive asynchronously (the consumer's orders): the test
+/// asserts on the final state, never on a guessed delay.
+pub async fn eventually<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Order rows of an activity by status.
+pub async fn order_counts(app: &TestApp, activity_id: &str) -> HashMap<String, i64> {
+    app.state
+        .activities
+        .order_counts(activity_id)
+        .await
+        .expect("order counts")
+        .into_iter()
+        .collect()
+}
+
+pub async fn db_available(app: &TestApp, activity_id: &str) -> i32 {
+    app.state
+        .activities
+        .get(activity_id)
+        .await
+        .expect("query")
+        .expect("activity")
+        .available
+}
+
+/// A TCP relay the test can cut: while down it drops every open connection and
+/// refuses new ones, as an unreachable database would look to a client.
+pub struct Relay {
+    pub port: u16,
+    up: Arc<std::sync::atomic::AtomicBool>,
+    refused: Arc<std::sync::atomic::AtomicUsize>,
+    cut: Arc<tokio::sync::Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    pub async fn start(upstream: &str) -> Self {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let cut = Arc::new(tokio::sync::Notify::new());
+        let upstream = upstream.to_owned();
+        let (up2, refused2, cut2) = (up.clone(), refused.clone(), cut.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                if !up2.load(Ordering::SeqCst) {
+                    refused2.fetch_add(1, Ordering::SeqCst);
+                    drop(inbound);
+                    continue;
+                }
+                let upstream = upstream.clone();
+                let cut = cut2.clone();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = cut.notified() => {}
+                    }
+                });
+            }
+        });
+        Relay {
+            port,
+            up,
+            refused,
+            cut,
+            task,
+        }
+    }
+
+    pub fn down(&self) {
+        self.up.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.cut.notify_waiters();
+    }
+
+    pub fn up(&self) {
+        self.up.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn refused(&self) -> usize {
+        self.refused.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }

@@ -5,5 +5,6 @@ mod admin;
 mod errors;
 mod helpers;
 mod ops;
+mod orders;
 mod rate_limit;
 mod reserve;
