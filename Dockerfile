@@ -12,8 +12,11 @@ WORKDIR /src
 # [[bench]]/[[test]]/[[example]] targets or a build.rs explicitly, stub or
 # copy those files here too: cargo checks target paths when it reads the manifest.)
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir src \
+COPY bench/Cargo.toml bench/Cargo.toml
+RUN mkdir -p src benches bench/src \
  && echo 'fn main() {}' > src/main.rs \
+ && echo 'fn main() {}' > benches/consumer.rs \
+ && echo 'fn main() {}' > bench/src/main.rs \
  && touch src/lib.rs \
  && cargo build --release --locked \
  && rm -rf src
@@ -24,6 +27,8 @@ RUN mkdir src \
 # If compile-time checked sqlx::query! macros are adopted, run
 # `cargo sqlx prepare` and add `COPY .sqlx ./.sqlx` here (SQLX_OFFLINE is set).
 COPY src ./src
+COPY benches ./benches
+COPY bench ./bench
 COPY migrations ./migrations
 COPY config ./config
 ENV SQLX_OFFLINE=true

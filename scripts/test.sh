@@ -18,4 +18,4 @@ for db in $stale; do
     mariadb -h127.0.0.1 -uroot -e "DROP DATABASE \`$db\`"
 done
 
-cargo test --locked "$@"
+cargo test --workspace --locked "$@"

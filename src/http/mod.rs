@@ -7,7 +7,7 @@
 mod admin;
 mod body;
 mod flash;
-mod middleware;
+pub mod middleware;
 mod ops;
 mod orders;
 
