@@ -12,6 +12,7 @@ pub mod error;
 pub mod http;
 pub mod orders;
 pub mod queue;
+pub mod reconcile;
 pub mod startup;
 pub mod state;
 pub mod stock;

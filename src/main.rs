@@ -25,6 +25,15 @@ enum Command {
     Serve,
     /// Run the order consumer alone (no HTTP), to scale consumers apart from the API.
     Consume,
+    /// One reconciler pass (Redis against MySQL), with a readable report.
+    Reconcile {
+        /// Only this activity (default: every current one).
+        #[arg(long)]
+        activity: Option<String>,
+        /// Print the reports as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Create the database if needed and apply the migrations.
     Migrate,
     /// Print a signed user token, for trying the API by hand.
@@ -62,6 +71,19 @@ async fn main() -> anyhow::Result<()> {
                 stop.cancel();
             });
             startup::run_consumer(settings, token).await
+        }
+        Command::Reconcile { activity, json } => {
+            let reports = startup::reconcile_once(&settings, activity.as_deref()).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&reports)?);
+            } else if reports.is_empty() {
+                println!("no current activity");
+            } else {
+                for r in &reports {
+                    println!("{}", r.summary());
+                }
+            }
+            Ok(())
         }
         Command::Migrate => {
             startup::migrate(&settings.mysql).await?;

@@ -4,6 +4,7 @@
 //! producer.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -12,6 +13,7 @@ use sqlx::migrate::MigrateDatabase;
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{MySql, MySqlPool};
 use tokio::net::TcpListener;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -21,6 +23,7 @@ use crate::config::{MysqlSettings, Settings};
 use crate::http::{self, RateLimiters};
 use crate::orders::{OrderConsumer, OrderRepo, OrderWriter, Sweeper};
 use crate::queue::{self, Publisher};
+use crate::reconcile::{Reconciler, Report};
 use crate::state::{AppState, Inner};
 use crate::stock::{RedisConn, StockStore};
 use crate::telemetry;
@@ -93,15 +96,26 @@ impl Application {
             .with_context(|| format!("failed to bind {}", settings.server.addr))?;
         let port = listener.local_addr().context("no local address")?.port();
         let limiters = RateLimiters::new(&settings.rate_limit);
+        let stock = StockStore::new(redis);
+        let orders = OrderRepo::new(pool.clone());
+        let reconciler = Reconciler {
+            activities: activities.clone(),
+            orders: orders.clone(),
+            stock: stock.clone(),
+            kafka: settings.kafka.clone(),
+            pending_deadline: Duration::from_secs(settings.reconcile.pending_deadline_secs),
+        };
         let state = AppState::new(Inner {
             settings,
             pool: pool.clone(),
             activities,
             cache,
-            orders: OrderRepo::new(pool.clone()),
-            stock: StockStore::new(redis),
+            orders,
+            stock,
             publisher,
             auth,
+            reconciler,
+            reconcile_now: Arc::new(Notify::new()),
             metrics,
             critical: TaskTracker::new(),
         });
@@ -194,6 +208,14 @@ fn spawn_workers(
         let consumer = OrderConsumer::new(settings, writer, state.publisher.clone())?;
         tracker.spawn(consumer.run(shutdown.clone()));
     }
+    if settings.reconcile.enabled {
+        tracker.spawn(state.reconciler.clone().run(
+            state.cache.clone(),
+            Duration::from_secs(settings.reconcile.interval_secs),
+            state.reconcile_now.clone(),
+            shutdown.clone(),
+        ));
+    }
     if settings.orders.sweeper_enabled {
         let sweeper = Sweeper {
             repo: state.orders.clone(),
@@ -232,6 +254,39 @@ pub async fn run_consumer(settings: Settings, shutdown: CancellationToken) -> an
         .context("producer flush task failed")?;
     pool.close().await;
     Ok(())
+}
+
+/// `flashsale reconcile`: one pass over one activity, or over every current one.
+pub async fn reconcile_once(
+    settings: &Settings,
+    activity: Option<&str>,
+) -> anyhow::Result<Vec<Report>> {
+    let pool = connect_mysql(&settings.mysql).await?;
+    let redis = RedisConn::connect(&settings.redis).await?;
+    let activities = ActivityRepo::new(pool.clone());
+    let reconciler = Reconciler {
+        activities: activities.clone(),
+        orders: OrderRepo::new(pool.clone()),
+        stock: StockStore::new(redis),
+        kafka: settings.kafka.clone(),
+        pending_deadline: Duration::from_secs(settings.reconcile.pending_deadline_secs),
+    };
+    let mut reports = Vec::new();
+    match activity {
+        Some(id) => reports.push(reconciler.reconcile(id).await?),
+        None => {
+            let cache = ActivityCache::new(activities);
+            cache
+                .refresh()
+                .await
+                .context("failed to load the activities")?;
+            for a in cache.current_activities(chrono::Utc::now()) {
+                reports.push(reconciler.reconcile_activity(&a).await?);
+            }
+        }
+    }
+    pool.close().await;
+    Ok(reports)
 }
 
 async fn prune_rate_limiters(limiters: RateLimiters, shutdown: CancellationToken) {

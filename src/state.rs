@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use tokio::sync::Notify;
+
 use metrics_exporter_prometheus::PrometheusHandle;
 use sqlx::MySqlPool;
 use tokio_util::task::TaskTracker;
@@ -11,6 +13,7 @@ use crate::auth::Auth;
 use crate::config::Settings;
 use crate::orders::OrderRepo;
 use crate::queue::Publisher;
+use crate::reconcile::Reconciler;
 use crate::stock::StockStore;
 
 #[derive(Clone)]
@@ -25,6 +28,9 @@ pub struct Inner {
     pub stock: StockStore,
     pub publisher: Publisher,
     pub auth: Auth,
+    pub reconciler: Reconciler,
+    /// Wakes the reconciler at once (the API found an activity missing in Redis).
+    pub reconcile_now: Arc<Notify>,
     pub metrics: PrometheusHandle,
     /// Work that must finish even if the request that started it is dropped (a
     /// reservation between Redis and Kafka); shutdown waits for it.

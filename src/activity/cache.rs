@@ -77,6 +77,17 @@ impl ActivityCache {
         list.last().cloned()
     }
 
+    /// Activities the reconciler looks after: started, and not ended for more than
+    /// an hour (late messages and payments still move their figures).
+    pub fn current_activities(&self, now: DateTime<Utc>) -> Vec<Arc<Activity>> {
+        self.current()
+            .by_id
+            .values()
+            .filter(|a| a.starts_at <= now && a.ends_at + chrono::Duration::hours(1) > now)
+            .cloned()
+            .collect()
+    }
+
     pub fn by_id(&self, id: &str) -> Option<Arc<Activity>> {
         self.current().by_id.get(id).cloned()
     }

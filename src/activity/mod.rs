@@ -25,6 +25,9 @@ pub struct Activity {
     pub ends_at: DateTime<Utc>,
     pub payment_timeout_secs: u32,
     pub paused: bool,
+    /// Paused by the service itself (its Redis state was lost); resumed by itself
+    /// once rebuilt.
+    pub auto_paused: bool,
     pub created_at: DateTime<Utc>,
 }
 

@@ -6,7 +6,7 @@ use sqlx::MySqlPool;
 use super::{Activity, ValidActivity};
 
 const COLUMNS: &str = "id, sku, stock, available, per_user_limit, starts_at, ends_at, \
-                       payment_timeout_secs, paused, created_at";
+                       payment_timeout_secs, paused, auto_paused, created_at";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CreateError {
@@ -105,17 +105,41 @@ impl ActivityRepo {
         .await
     }
 
+    /// The operator's switch; it also clears an automatic pause.
     pub async fn set_paused(&self, id: &str, paused: bool) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query("UPDATE activities SET paused = ? WHERE id = ?")
-            .bind(paused)
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
+        let done =
+            sqlx::query("UPDATE activities SET paused = ?, auto_paused = FALSE WHERE id = ?")
+                .bind(paused)
+                .bind(id)
+                .execute(&self.pool)
+                .await?;
         // rows_affected is 0 when the value did not change too, so look it up.
         if done.rows_affected() > 0 {
             return Ok(true);
         }
         Ok(self.get(id).await?.is_some())
+    }
+
+    /// Pauses an activity whose Redis state was lost, unless an operator paused it.
+    pub async fn auto_pause(&self, id: &str) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(
+            "UPDATE activities SET paused = TRUE, auto_paused = TRUE WHERE id = ? AND paused = FALSE",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Undoes an automatic pause (an operator's pause stays).
+    pub async fn auto_resume(&self, id: &str) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query(
+            "UPDATE activities SET paused = FALSE, auto_paused = FALSE WHERE id = ? AND auto_paused = TRUE",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
     }
 
     /// The users holding an order (of any status: a lapsed or failed order keeps the

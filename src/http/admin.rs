@@ -15,6 +15,7 @@ use super::body;
 use crate::activity::{is_valid_id, Activity, CreateError, NewActivity, Window};
 use crate::error::{AppError, AppResult};
 use crate::state::AppState;
+use crate::stock::PreloadMode;
 
 /// `POST /admin/activities`
 pub async fn create(
@@ -81,7 +82,7 @@ pub async fn preload(
     let available = i64::from(activity.available);
     state
         .stock
-        .preload(&id, available, activity.paused, &buyers)
+        .preload(&id, available, activity.paused, &buyers, PreloadMode::Force)
         .await
         .map_err(redis_down)?;
     tracing::info!(activity_id = %id, stock = available, buyers = buyers.len(), "activity preloaded");
@@ -153,4 +154,26 @@ pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> AppRe
         map.insert("orders_by_status".into(), json!(orders));
     }
     Ok(Json(out))
+}
+
+/// `POST /admin/activities/{id}/reconcile`: one reconciler pass, and its report.
+pub async fn reconcile(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> AppResult<Json<crate::reconcile::Report>> {
+    let activity = load(&state, &id).await?;
+    let report = state
+        .reconciler
+        .reconcile_activity(&activity)
+        .await
+        .map_err(|e| {
+            if let Some(redis) = e.downcast_ref::<redis::RedisError>() {
+                tracing::warn!(error = %redis, "reconcile could not reach Redis");
+                AppError::Unavailable("stock store unreachable")
+            } else {
+                AppError::Internal(e.context("reconcile pass failed"))
+            }
+        })?;
+    refresh_cache(&state).await;
+    Ok(Json(report))
 }

@@ -191,6 +191,7 @@ async fn reserve_and_publish(
         ReserveOutcome::Paused => return Err(AppError::Paused),
         ReserveOutcome::NotLoaded => {
             tracing::warn!(activity_id = %activity.id, "activity is not loaded in Redis");
+            state.reconcile_now.notify_one();
             return Err(AppError::Unavailable("the sale is not loaded"));
         }
     };

@@ -50,6 +50,7 @@ pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
         .route("/admin/activities/{id}/preload", post(admin::preload))
         .route("/admin/activities/{id}/pause", post(admin::pause))
         .route("/admin/activities/{id}/resume", post(admin::resume))
+        .route("/admin/activities/{id}/reconcile", post(admin::reconcile))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             middleware::require_admin,

@@ -130,6 +130,15 @@ pub enum Decision {
     Superseded,
 }
 
+/// What a reservation MySQL does not hold yet becomes.
+#[derive(Debug, Clone, Copy)]
+enum NewRows {
+    /// An order awaiting payment, taking its units (the consumer).
+    Order,
+    /// A failed reservation with this reason (the reconciler).
+    Fail(&'static str),
+}
+
 /// MySQL error codes worth retrying: deadlock, lock wait timeout, and the
 /// connection-level failures sqlx reports as I/O or pool errors.
 pub fn is_transient(err: &sqlx::Error) -> bool {
@@ -172,6 +181,26 @@ impl OrderRepo {
     ///    holds under the lock; MySQL's check constraint backs it), and one update
     ///    counts the redeliveries.
     pub async fn apply_batch(&self, batch: &[Incoming]) -> Result<Vec<Decision>, sqlx::Error> {
+        self.apply(batch, NewRows::Order).await
+    }
+
+    /// The reconciler's side of the arbitration: under the same lock and the same
+    /// unique keys as the consumer, records every reservation of `batch` that MySQL
+    /// does not hold yet as failed. Whichever of the consumer and the reconciler
+    /// comes first decides; the other sees the row and does nothing.
+    pub async fn fail_absent(
+        &self,
+        batch: &[Incoming],
+        reason: &'static str,
+    ) -> Result<Vec<Decision>, sqlx::Error> {
+        self.apply(batch, NewRows::Fail(reason)).await
+    }
+
+    async fn apply(
+        &self,
+        batch: &[Incoming],
+        new_rows: NewRows,
+    ) -> Result<Vec<Decision>, sqlx::Error> {
         use std::collections::{HashMap, HashSet};
 
         if batch.is_empty() {
@@ -247,6 +276,14 @@ impl OrderRepo {
                 Decision::Superseded
             } else {
                 let decision = match activities.get_mut(&m.activity_id) {
+                    _ if matches!(new_rows, NewRows::Fail(_)) => {
+                        let reason = match new_rows {
+                            NewRows::Fail(reason) => reason,
+                            NewRows::Order => "",
+                        };
+                        rows.push((m, "failed", Some(reason), None));
+                        Decision::Failed { reason }
+                    }
                     None => {
                         let reason = "unknown activity";
                         rows.push((m, "failed", Some(reason), None));
@@ -426,6 +463,43 @@ impl OrderRepo {
             }
         }
         Ok(cancelled)
+    }
+
+    /// Units held by live orders (awaiting payment or paid) of an activity.
+    pub async fn live_units(&self, activity_id: &str) -> Result<i64, sqlx::Error> {
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT CAST(COALESCE(SUM(quantity), 0) AS SIGNED) FROM orders \
+             WHERE activity_id = ? AND status IN ('pending_payment', 'paid')",
+        )
+        .bind(activity_id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(n)
+    }
+
+    /// (reservation id, units) of an activity's failed and cancelled orders whose
+    /// units are not yet known to be back in Redis.
+    pub async fn owed_units(&self, activity_id: &str) -> Result<Vec<(String, u32)>, sqlx::Error> {
+        sqlx::query_as(
+            "SELECT reservation_id, quantity FROM orders WHERE units_returned = FALSE \
+             AND status IN ('failed', 'cancelled') AND activity_id = ?",
+        )
+        .bind(activity_id)
+        .fetch_all(&self.pool)
+        .await
+    }
+
+    /// A rebuild from MySQL counts every failed and cancelled order's units as
+    /// available already; nothing is owed to the new Redis state.
+    pub async fn mark_all_returned(&self, activity_id: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "UPDATE orders SET units_returned = TRUE WHERE activity_id = ? \
+             AND units_returned = FALSE AND status IN ('failed', 'cancelled')",
+        )
+        .bind(activity_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// Failed and cancelled orders whose units are not yet back in Redis.

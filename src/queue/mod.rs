@@ -185,3 +185,53 @@ pub async fn ensure_topics(settings: &KafkaSettings, topics: &[&str]) -> anyhow:
     }
     Ok(())
 }
+
+/// Messages on the reservation topic that the order consumers' group has not yet
+/// committed: 0 means every reservation published so far has reached MySQL.
+pub async fn consumer_lag(settings: &KafkaSettings) -> anyhow::Result<i64> {
+    let brokers = settings.brokers.clone();
+    let group = settings.group_id.clone();
+    let topic = settings.topic.clone();
+    tokio::task::spawn_blocking(move || -> anyhow::Result<i64> {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        use rdkafka::{Offset, TopicPartitionList};
+        let timeout = Duration::from_secs(3);
+        // Reading the group's committed offsets does not join the group.
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .set("socket.connection.setup.timeout.ms", "2000")
+            .create()
+            .context("failed to create the lag probe")?;
+        let md = consumer
+            .fetch_metadata(Some(&topic), timeout)
+            .context("the broker did not answer a metadata request")?;
+        let partitions: Vec<i32> = md
+            .topics()
+            .first()
+            .map(|t| t.partitions().iter().map(|p| p.id()).collect())
+            .unwrap_or_default();
+        let mut tpl = TopicPartitionList::new();
+        for p in &partitions {
+            tpl.add_partition(&topic, *p);
+        }
+        let committed = consumer
+            .committed_offsets(tpl, timeout)
+            .context("the broker did not return the group's offsets")?;
+        let mut lag = 0;
+        for p in partitions {
+            let (low, high) = consumer
+                .fetch_watermarks(&topic, p, timeout)
+                .context("the broker did not return the watermarks")?;
+            let done = match committed.find_partition(&topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => o,
+                _ => low,
+            };
+            lag += (high - done.max(low)).max(0);
+        }
+        Ok(lag)
+    })
+    .await
+    .context("lag probe task failed")?
+}

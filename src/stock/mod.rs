@@ -52,6 +52,26 @@ pub enum ReserveOutcome {
     Paused,
 }
 
+/// Which preload: see `preload.lua`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreloadMode {
+    /// Replace whatever is there (the operator's preload).
+    Force,
+    /// Build only when the activity is not loaded (the automatic rebuild).
+    Missing,
+}
+
+/// What `audit.lua` found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Audit {
+    pub loaded: bool,
+    pub stock: i64,
+    pub pending_units: i64,
+    pub owed_units: i64,
+    pub expected: i64,
+    pub repaired: bool,
+}
+
 /// Which refund: see `refund.lua`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RefundMode {
@@ -87,6 +107,7 @@ pub struct StockStore {
     reserve: Script,
     refund: Script,
     preload: Script,
+    audit: Script,
 }
 
 impl StockStore {
@@ -96,6 +117,7 @@ impl StockStore {
             reserve: Script::new(include_str!("reserve.lua")),
             refund: Script::new(include_str!("refund.lua")),
             preload: Script::new(include_str!("preload.lua")),
+            audit: Script::new(include_str!("audit.lua")),
         }
     }
 
@@ -197,15 +219,17 @@ impl StockStore {
         Ok(())
     }
 
-    /// Replaces the activity's Redis state with `available` units and the given
-    /// buyers (user id, reservation id).
+    /// Builds the activity's Redis state with `available` units and the given
+    /// buyers (user id, reservation id). Returns whether it was built (`Missing`
+    /// leaves a loaded activity alone).
     pub async fn preload(
         &self,
         activity_id: &str,
         available: i64,
         paused: bool,
         buyers: &[(String, String)],
-    ) -> RedisResult<()> {
+        mode: PreloadMode,
+    ) -> RedisResult<bool> {
         let k = Keys::new(activity_id);
         let mut conn = self.conn.clone();
         let mut invocation = self.preload.prepare_invoke();
@@ -217,12 +241,101 @@ impl StockStore {
             .key(&k.refunded)
             .key(&k.state)
             .arg(available)
-            .arg(if paused { "paused" } else { "open" });
+            .arg(if paused { "paused" } else { "open" })
+            .arg(match mode {
+                PreloadMode::Force => "force",
+                PreloadMode::Missing => "missing",
+            });
         for (user, reservation) in buyers {
             invocation.arg(user).arg(reservation);
         }
-        let _: i64 = invocation.invoke_async(&mut conn).await?;
-        Ok(())
+        let built: i64 = invocation.invoke_async(&mut conn).await?;
+        Ok(built == 1)
+    }
+
+    /// Compares Redis's stock with what MySQL implies (see `audit.lua`); with
+    /// `repair = Some((stock, pending))` it also sets the expected value, if Redis
+    /// still holds exactly what the read saw.
+    pub async fn audit(
+        &self,
+        activity_id: &str,
+        total: i64,
+        live_units: i64,
+        owed: &[(String, u32)],
+        repair: Option<(i64, i64)>,
+    ) -> RedisResult<Audit> {
+        let k = Keys::new(activity_id);
+        let mut conn = self.conn.clone();
+        let mut invocation = self.audit.prepare_invoke();
+        invocation
+            .key(&k.stock)
+            .key(&k.pending)
+            .key(&k.res)
+            .key(&k.refunded)
+            .arg(total)
+            .arg(live_units);
+        match repair {
+            Some((stock, pending)) => invocation.arg("repair").arg(stock).arg(pending),
+            None => invocation.arg("read").arg(0).arg(0),
+        };
+        for (reservation, units) in owed {
+            invocation.arg(reservation).arg(*units);
+        }
+        let v: Vec<i64> = invocation.invoke_async(&mut conn).await?;
+        let at = |i: usize| v.get(i).copied().unwrap_or_default();
+        Ok(Audit {
+            loaded: at(0) == 1,
+            stock: at(1),
+            pending_units: at(2),
+            owed_units: at(3),
+            expected: at(4),
+            repaired: at(5) == 1,
+        })
+    }
+
+    /// Pending reservations older than `before_ms`: (reservation id, user id,
+    /// units). Reservations whose details are gone are dropped from the set.
+    pub async fn expired_pending(
+        &self,
+        activity_id: &str,
+        before_ms: i64,
+        limit: usize,
+    ) -> RedisResult<Vec<(String, String, u32)>> {
+        let k = Keys::new(activity_id);
+        let mut conn = self.conn.clone();
+        let ids: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+            .arg(&k.pending)
+            .arg("-inf")
+            .arg(before_ms)
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
+            .query_async(&mut conn)
+            .await?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let details: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(&k.res)
+            .arg(&ids)
+            .query_async(&mut conn)
+            .await?;
+        let mut out = Vec::with_capacity(ids.len());
+        let mut junk = Vec::new();
+        for (id, detail) in ids.into_iter().zip(details) {
+            let parsed = detail.as_deref().and_then(|d| {
+                let (user, units) = d.split_once('|')?;
+                Some((user.to_owned(), units.parse::<u32>().ok()?))
+            });
+            match parsed {
+                Some((user, units)) => out.push((id, user, units)),
+                None => junk.push(id),
+            }
+        }
+        if !junk.is_empty() {
+            let _: () = conn.zrem(&k.pending, &junk).await?;
+        }
+        Ok(out)
     }
 
     /// Sets the live open/paused switch, only if the activity is loaded.

@@ -3,13 +3,20 @@
 -- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded, KEYS[6] state
 -- ARGV[1] units still available in MySQL
 -- ARGV[2] state ("open" | "paused")
--- ARGV[3..] pairs: user id, reservation id, for every user holding an order
+-- ARGV[3] "force" to replace whatever is there, "missing" to build only when the
+--         activity is not loaded (its stock or state key is gone): a rebuild after
+--         a Redis loss can then never wipe reservations made since
+-- ARGV[4..] pairs: user id, reservation id, for every user holding an order
 --
--- Everything of the activity is replaced; running it twice gives the same state.
+-- Returns 1 when built, 0 when "missing" found the activity loaded.
+-- Running it twice gives the same state.
+if ARGV[3] == "missing" and redis.call("EXISTS", KEYS[1]) == 1 and redis.call("EXISTS", KEYS[6]) == 1 then
+  return 0
+end
 redis.call("DEL", KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   redis.call("HSET", KEYS[2], ARGV[i], ARGV[i + 1])
 end
 redis.call("SET", KEYS[1], ARGV[1])
 redis.call("SET", KEYS[6], ARGV[2])
-return tonumber(ARGV[1])
+return 1

@@ -7,4 +7,5 @@ mod helpers;
 mod ops;
 mod orders;
 mod rate_limit;
+mod reconcile;
 mod reserve;

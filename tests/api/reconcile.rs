@@ -1,0 +1,230 @@
+//! The reconciler: reservations that never reached MySQL, stock drift, Redis loss.
+
+use std::time::Duration;
+
+use flashsale::queue::ReservationMessage;
+use reqwest::StatusCode;
+use serde_json::Value;
+
+use crate::helpers::{
+    assert_error, db_available, eventually, order_counts, spawn_app_with, TestApp,
+};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn workers(s: &mut flashsale::config::Settings) {
+    s.consumer.enabled = true;
+    s.consumer.batch_wait_ms = 10;
+    s.reconcile.pending_deadline_secs = 2;
+}
+
+async fn reconcile(app: &TestApp, id: &str) -> Value {
+    let resp = app
+        .admin_post(&format!("/admin/activities/{id}/reconcile"), None)
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    resp.json().await.expect("json")
+}
+
+async fn drained(app: &TestApp) {
+    eventually(WAIT, "the consumers to drain", || async {
+        let lag = flashsale::queue::consumer_lag(&app.settings.kafka)
+            .await
+            .ok()?;
+        (lag == 0).then_some(())
+    })
+    .await;
+}
+
+/// The process died between Redis and Kafka: the reservation is pending with no
+/// message. Past the deadline the reconciler fails it and returns its unit; a
+/// message that turns up later finds it decided.
+#[tokio::test]
+async fn a_reservation_that_never_reached_the_queue_is_failed_once() {
+    let app = spawn_app_with(workers).await;
+    let sale = app.open_sale(5, 1).await;
+    let old = chrono::Utc::now() - chrono::Duration::seconds(30);
+    let reserved = app
+        .state
+        .stock
+        .reserve(
+            &sale.id,
+            "ghost",
+            1,
+            "ghost-reservation",
+            old.timestamp_millis(),
+        )
+        .await
+        .expect("reserve");
+    assert!(matches!(
+        reserved,
+        flashsale::stock::ReserveOutcome::Reserved { .. }
+    ));
+    // A normal reservation alongside, which must be left alone.
+    assert_eq!(
+        app.reserve(&sale.sku, "normal", None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    eventually(WAIT, "the normal order", || async {
+        (order_counts(&app, &sale.id).await.values().sum::<i64>() == 1).then_some(())
+    })
+    .await;
+    drained(&app).await;
+    assert_eq!(app.redis_stock(&sale.id).await, Some(3));
+
+    let report = reconcile(&app, &sale.id).await;
+    assert_eq!(report["expired_pending"], 1, "{report}");
+    assert_eq!(report["failed_by_reconciler"], 1, "{report}");
+    assert_eq!(report["drift"], 0, "{report}");
+    assert_eq!(
+        app.redis_stock(&sale.id).await,
+        Some(4),
+        "the ghost's unit is back"
+    );
+    let again = reconcile(&app, &sale.id).await;
+    assert_eq!(again["expired_pending"], 0, "{again}");
+    assert_eq!(app.redis_stock(&sale.id).await, Some(4), "returned once");
+
+    // The late message loses: no order, no second refund.
+    app.state
+        .publisher
+        .publish(&ReservationMessage {
+            reservation_id: "ghost-reservation".into(),
+            activity_id: sale.id.clone(),
+            sku: sale.sku.clone(),
+            user_id: "ghost".into(),
+            quantity: 1,
+            reserved_at: old,
+        })
+        .await
+        .expect("publish");
+    drained(&app).await;
+    let counts = order_counts(&app, &sale.id).await;
+    assert_eq!(counts.get("failed"), Some(&1), "{counts:?}");
+    assert_eq!(counts.get("pending_payment"), Some(&1), "{counts:?}");
+    assert_eq!(db_available(&app, &sale.id).await, 4);
+    assert_eq!(app.redis_stock(&sale.id).await, Some(4));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn stock_drift_is_reported_and_repaired_when_safe() {
+    let app = spawn_app_with(workers).await;
+    let sale = app.open_sale(10, 1).await;
+    for u in ["a", "b", "c"] {
+        assert_eq!(
+            app.reserve(&sale.sku, u, None).await.status(),
+            StatusCode::ACCEPTED
+        );
+    }
+    eventually(WAIT, "three orders", || async {
+        (order_counts(&app, &sale.id).await.values().sum::<i64>() == 3).then_some(())
+    })
+    .await;
+    drained(&app).await;
+    let report = reconcile(&app, &sale.id).await;
+    assert_eq!(report["drift"], 0, "{report}");
+
+    let mut conn = app.state.stock.connection();
+    let key = format!("flash:{{{}}}:stock", sale.id);
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg(9)
+        .query_async(&mut conn)
+        .await
+        .expect("set");
+    let report = reconcile(&app, &sale.id).await;
+    assert_eq!(report["drift"], 2, "{report}");
+    assert_eq!(report["repaired"], true, "{report}");
+    assert_eq!(
+        app.redis_stock(&sale.id).await,
+        Some(7),
+        "10 units - 3 orders"
+    );
+    let report = reconcile(&app, &sale.id).await;
+    assert_eq!(report["drift"], 0, "{report}");
+    assert_eq!(report["repaired"], false);
+    app.stop().await;
+}
+
+/// Redis loses the activity mid-sale: 503 (never sold_out), paused, rebuilt from
+/// MySQL once drained, resumed; earlier buyers keep their place.
+#[tokio::test]
+async fn redis_loss_pauses_rebuilds_and_resumes() {
+    let app = spawn_app_with(|s| {
+        workers(s);
+        s.reconcile.enabled = true;
+        s.reconcile.interval_secs = 3600;
+    })
+    .await;
+    let sale = app.open_sale(5, 1).await;
+    assert_eq!(
+        app.reserve(&sale.sku, "early", None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    eventually(WAIT, "the early order", || async {
+        (order_counts(&app, &sale.id).await.values().sum::<i64>() == 1).then_some(())
+    })
+    .await;
+    // As if Redis restarted empty: this activity's keys are gone (only its own,
+    // so the tests running beside this one keep theirs).
+    let keys = flashsale::stock::Keys::new(&sale.id);
+    let mut conn = app.state.stock.connection();
+    let _: () = redis::cmd("DEL")
+        .arg(&keys.stock)
+        .arg(&keys.buyers)
+        .arg(&keys.pending)
+        .arg(&keys.res)
+        .arg(&keys.refunded)
+        .arg(&keys.state)
+        .query_async(&mut conn)
+        .await
+        .map(|_: i64| ())
+        .expect("del");
+
+    let resp = app.reserve(&sale.sku, "late", None).await;
+    assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    // The 503 woke the reconciler: rebuilt and resumed without an operator.
+    eventually(WAIT, "the rebuild", || async {
+        (app.redis_stock(&sale.id).await == Some(4)).then_some(())
+    })
+    .await;
+    let activity = eventually(WAIT, "the automatic resume", || async {
+        let a = app.state.activities.get(&sale.id).await.ok()??;
+        (!a.paused && !a.auto_paused).then_some(a)
+    })
+    .await;
+    assert_eq!(activity.available, 4);
+    app.state.cache.refresh().await.expect("refresh");
+    let resp = app.reserve(&sale.sku, "early", None).await;
+    assert_error(resp, StatusCode::CONFLICT, "already_reserved").await;
+    assert_eq!(
+        app.reserve(&sale.sku, "late", None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    assert_eq!(app.redis_stock(&sale.id).await, Some(3));
+    app.stop().await;
+}
+
+/// A flushed script cache costs one extra round trip, never a failed request.
+#[tokio::test]
+async fn script_flush_fails_no_request() {
+    let app = spawn_app_with(|_| {}).await;
+    let sale = app.open_sale(50, 1).await;
+    let mut conn = app.state.stock.connection();
+    for i in 0..20 {
+        let _: String = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut conn)
+            .await
+            .expect("flush");
+        assert_eq!(
+            app.reserve(&sale.sku, &format!("f{i}"), None)
+                .await
+                .status(),
+            StatusCode::ACCEPTED
+        );
+    }
+    assert_eq!(app.redis_stock(&sale.id).await, Some(30));
+    app.stop().await;
+}
