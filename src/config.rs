@@ -78,6 +78,9 @@ pub struct KafkaSettings {
     pub replication_factor: i32,
     pub publish_timeout_ms: u64,
     pub linger_ms: u64,
+    /// librdkafka's `debug` contexts (e.g. "consumer,cgrp"); empty for none.
+    #[serde(default)]
+    pub client_debug: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -227,13 +227,19 @@ impl OrderConsumer {
         writer: OrderWriter,
         dead_letters: Publisher,
     ) -> anyhow::Result<Self> {
-        let consumer: StreamConsumer = ClientConfig::new()
+        let mut config = ClientConfig::new();
+        if !settings.kafka.client_debug.is_empty() {
+            config.set("debug", &settings.kafka.client_debug);
+        }
+        let consumer: StreamConsumer = config
             .set("bootstrap.servers", &settings.kafka.brokers)
             .set("group.id", &settings.kafka.group_id)
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")
             .set("enable.partition.eof", "false")
-            .set("session.timeout.ms", "10000")
+            // A crashed consumer's partitions move to a live one after this.
+            .set("session.timeout.ms", "6000")
+            .set("heartbeat.interval.ms", "2000")
             .set("socket.connection.setup.timeout.ms", "2000")
             .create()
             .context("failed to create the Kafka consumer")?;

@@ -1,6 +1,7 @@
 //! Kafka side: the reservation message, the idempotent producer that publishes it,
 //! and topic creation.
 
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -40,40 +41,86 @@ pub enum PublishError {
 
 /// The producer: idempotent, `acks=all`, and every send awaits its delivery report,
 /// so a `202` always stands on a message the broker has acknowledged.
+///
+/// After a failed delivery the producer is replaced (at most once a second): a
+/// broker that restarted without its idempotence state, or a producer that hit a
+/// fatal idempotence error, would otherwise wedge every later send. The messages
+/// of the old producer have failed already and their units were returned, so
+/// starting a new producer id loses nothing.
 #[derive(Clone)]
 pub struct Publisher {
-    producer: FutureProducer,
+    producer: Arc<RwLock<FutureProducer>>,
+    settings: Arc<KafkaSettings>,
+    replaced_at: Arc<Mutex<Instant>>,
     topic: String,
     timeout: Duration,
 }
 
+fn create_producer(settings: &KafkaSettings) -> anyhow::Result<FutureProducer> {
+    ClientConfig::new()
+        .set("bootstrap.servers", &settings.brokers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", settings.linger_ms.to_string())
+        // librdkafka fails a message it could not deliver within this time, and
+        // only then do we return the units: the report is the single truth.
+        .set(
+            "message.timeout.ms",
+            settings.publish_timeout_ms.to_string(),
+        )
+        .set(
+            "request.timeout.ms",
+            settings.publish_timeout_ms.clamp(1, 30_000).to_string(),
+        )
+        .set("socket.connection.setup.timeout.ms", "1000")
+        .set("reconnect.backoff.max.ms", "1000")
+        .create()
+        .context("failed to create the Kafka producer")
+}
+
 impl Publisher {
     pub fn new(settings: &KafkaSettings) -> anyhow::Result<Self> {
-        let timeout = settings.publish_timeout();
-        let producer: FutureProducer = ClientConfig::new()
-            .set("bootstrap.servers", &settings.brokers)
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set("linger.ms", settings.linger_ms.to_string())
-            // librdkafka fails a message it could not deliver within this time, and
-            // only then do we return the units: the report is the single truth.
-            .set(
-                "message.timeout.ms",
-                settings.publish_timeout_ms.to_string(),
-            )
-            .set(
-                "request.timeout.ms",
-                settings.publish_timeout_ms.clamp(1, 30_000).to_string(),
-            )
-            .set("socket.connection.setup.timeout.ms", "1000")
-            .set("reconnect.backoff.max.ms", "1000")
-            .create()
-            .context("failed to create the Kafka producer")?;
         Ok(Publisher {
-            producer,
+            producer: Arc::new(RwLock::new(create_producer(settings)?)),
+            settings: Arc::new(settings.clone()),
+            replaced_at: Arc::new(Mutex::new(Instant::now())),
             topic: settings.topic.clone(),
-            timeout,
+            timeout: settings.publish_timeout(),
         })
+    }
+
+    fn current(&self) -> FutureProducer {
+        // The lock is held only to clone a handle; a poisoned lock still holds a
+        // complete producer.
+        self.producer
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Replaces the producer after a failure, at most once a second.
+    fn replace_after_failure(&self) {
+        {
+            let mut at = self.replaced_at.lock().unwrap_or_else(|p| p.into_inner());
+            if at.elapsed() < Duration::from_secs(1) {
+                return;
+            }
+            *at = Instant::now();
+        }
+        match create_producer(&self.settings) {
+            Ok(fresh) => {
+                let old = std::mem::replace(
+                    &mut *self.producer.write().unwrap_or_else(|p| p.into_inner()),
+                    fresh,
+                );
+                metrics::counter!("kafka_producer_replaced_total").increment(1);
+                tracing::warn!("Kafka producer replaced after a failed delivery");
+                // Dropping a producer waits for its librdkafka threads; not on a
+                // runtime thread.
+                tokio::task::spawn_blocking(move || drop(old));
+            }
+            Err(err) => tracing::error!(error = %err, "could not replace the Kafka producer"),
+        }
     }
 
     pub fn topic(&self) -> &str {
@@ -90,12 +137,16 @@ impl Publisher {
             .payload(&payload);
         // librdkafka reports within message.timeout.ms; the outer bound only guards
         // against a report that never comes.
-        let send = self.producer.send(record, Timeout::After(self.timeout));
+        let producer = self.current();
+        let send = producer.send(record, Timeout::After(self.timeout));
         let result = match tokio::time::timeout(self.timeout * 2, send).await {
             Ok(Ok(_delivery)) => Ok(()),
             Ok(Err((err, _msg))) => Err(PublishError::Delivery(err)),
             Err(_) => Err(PublishError::Timeout(self.timeout * 2)),
         };
+        if result.is_err() {
+            self.replace_after_failure();
+        }
         let outcome = if result.is_ok() { "ok" } else { "error" };
         metrics::histogram!("kafka_publish_duration_seconds", "outcome" => outcome)
             .record(started.elapsed().as_secs_f64());
@@ -120,16 +171,21 @@ impl Publisher {
         if let Some(key) = key {
             record = record.key(key);
         }
-        self.producer
+        let producer = self.current();
+        let result = producer
             .send(record, Timeout::After(self.timeout))
             .await
             .map(|_| ())
-            .map_err(|(err, _)| PublishError::Delivery(err))
+            .map_err(|(err, _)| PublishError::Delivery(err));
+        if result.is_err() {
+            self.replace_after_failure();
+        }
+        result
     }
 
     /// Whether the broker answers a metadata request for the topic.
     pub async fn check(&self) -> anyhow::Result<()> {
-        let producer = self.producer.clone();
+        let producer = self.current();
         let topic = self.topic.clone();
         tokio::task::spawn_blocking(move || {
             producer
@@ -144,7 +200,7 @@ impl Publisher {
 
     /// Sends what is still queued; called on shutdown.
     pub fn flush(&self, timeout: Duration) {
-        if let Err(err) = self.producer.flush(Timeout::After(timeout)) {
+        if let Err(err) = self.current().flush(Timeout::After(timeout)) {
             tracing::error!(error = %err, "messages were still unsent at shutdown");
         }
     }

@@ -12,6 +12,11 @@ use redis::{AsyncCommands, RedisResult, Script};
 
 pub use conn::RedisConn;
 
+/// One script argument, encoded as Redis would.
+fn arg<T: redis::ToRedisArgs>(value: T) -> Vec<u8> {
+    value.to_redis_args().concat()
+}
+
 /// The Redis keys of one activity.
 #[derive(Debug, Clone)]
 pub struct Keys {
@@ -101,28 +106,78 @@ pub struct StockSnapshot {
     pub buyers: u64,
 }
 
+/// A Lua script: its SHA for EVALSHA, and its text for the fallback.
+#[derive(Clone)]
+struct Lua {
+    script: Script,
+    code: &'static str,
+}
+
+impl Lua {
+    fn new(code: &'static str) -> Self {
+        Lua {
+            script: Script::new(code),
+            code,
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct StockStore {
     conn: RedisConn,
-    reserve: Script,
-    refund: Script,
-    preload: Script,
-    audit: Script,
+    reserve: Lua,
+    refund: Lua,
+    preload: Lua,
+    audit: Lua,
 }
 
 impl StockStore {
     pub fn new(conn: RedisConn) -> Self {
         StockStore {
             conn,
-            reserve: Script::new(include_str!("reserve.lua")),
-            refund: Script::new(include_str!("refund.lua")),
-            preload: Script::new(include_str!("preload.lua")),
-            audit: Script::new(include_str!("audit.lua")),
+            reserve: Lua::new(include_str!("reserve.lua")),
+            refund: Lua::new(include_str!("refund.lua")),
+            preload: Lua::new(include_str!("preload.lua")),
+            audit: Lua::new(include_str!("audit.lua")),
         }
     }
 
     pub fn connection(&self) -> RedisConn {
         self.conn.clone()
+    }
+
+    /// EVALSHA, which `redis::Script` follows with SCRIPT LOAD and one retry on
+    /// NOSCRIPT. If the cache is flushed again between that load and the retry,
+    /// the script is sent whole with EVAL: a flushed cache never fails a call.
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        lua: &Lua,
+        keys: &[&str],
+        args: &[Vec<u8>],
+    ) -> RedisResult<T> {
+        let mut conn = self.conn.clone();
+        let mut invocation = lua.script.prepare_invoke();
+        for k in keys {
+            invocation.key(*k);
+        }
+        for a in args {
+            invocation.arg(a.as_slice());
+        }
+        match invocation.invoke_async(&mut conn).await {
+            Err(err)
+                if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
+                metrics::counter!("redis_script_eval_fallbacks_total").increment(1);
+                redis::cmd("EVAL")
+                    .arg(lua.code)
+                    .arg(keys.len())
+                    .arg(keys)
+                    .arg(args)
+                    .query_async(&mut conn)
+                    .await
+            }
+            other => other,
+        }
     }
 
     /// Runs the reserve script: already bought → enough stock → decrement → record
@@ -136,19 +191,17 @@ impl StockStore {
         now_ms: i64,
     ) -> RedisResult<ReserveOutcome> {
         let k = Keys::new(activity_id);
-        let mut conn = self.conn.clone();
         let (code, value): (i64, String) = self
-            .reserve
-            .key(&k.stock)
-            .key(&k.buyers)
-            .key(&k.pending)
-            .key(&k.res)
-            .key(&k.state)
-            .arg(user_id)
-            .arg(quantity)
-            .arg(new_reservation_id)
-            .arg(now_ms)
-            .invoke_async(&mut conn)
+            .run(
+                &self.reserve,
+                &[&k.stock, &k.buyers, &k.pending, &k.res, &k.state],
+                &[
+                    arg(user_id),
+                    arg(quantity),
+                    arg(new_reservation_id),
+                    arg(now_ms),
+                ],
+            )
             .await?;
         Ok(match code {
             1 => ReserveOutcome::Reserved {
@@ -173,22 +226,16 @@ impl StockStore {
         mode: RefundMode,
     ) -> RedisResult<RefundOutcome> {
         let k = Keys::new(activity_id);
-        let mut conn = self.conn.clone();
+        let mode = match mode {
+            RefundMode::Undo => "undo",
+            RefundMode::Return => "return",
+        };
         let n: i64 = self
-            .refund
-            .key(&k.stock)
-            .key(&k.buyers)
-            .key(&k.pending)
-            .key(&k.res)
-            .key(&k.refunded)
-            .arg(reservation_id)
-            .arg(user_id)
-            .arg(quantity)
-            .arg(match mode {
-                RefundMode::Undo => "undo",
-                RefundMode::Return => "return",
-            })
-            .invoke_async(&mut conn)
+            .run(
+                &self.refund,
+                &[&k.stock, &k.buyers, &k.pending, &k.res, &k.refunded],
+                &[arg(reservation_id), arg(user_id), arg(quantity), arg(mode)],
+            )
             .await?;
         Ok(match n {
             0 => RefundOutcome::AlreadyRefunded,
@@ -231,25 +278,32 @@ impl StockStore {
         mode: PreloadMode,
     ) -> RedisResult<bool> {
         let k = Keys::new(activity_id);
-        let mut conn = self.conn.clone();
-        let mut invocation = self.preload.prepare_invoke();
-        invocation
-            .key(&k.stock)
-            .key(&k.buyers)
-            .key(&k.pending)
-            .key(&k.res)
-            .key(&k.refunded)
-            .key(&k.state)
-            .arg(available)
-            .arg(if paused { "paused" } else { "open" })
-            .arg(match mode {
+        let mut args = vec![
+            arg(available),
+            arg(if paused { "paused" } else { "open" }),
+            arg(match mode {
                 PreloadMode::Force => "force",
                 PreloadMode::Missing => "missing",
-            });
+            }),
+        ];
         for (user, reservation) in buyers {
-            invocation.arg(user).arg(reservation);
+            args.push(arg(user));
+            args.push(arg(reservation));
         }
-        let built: i64 = invocation.invoke_async(&mut conn).await?;
+        let built: i64 = self
+            .run(
+                &self.preload,
+                &[
+                    &k.stock,
+                    &k.buyers,
+                    &k.pending,
+                    &k.res,
+                    &k.refunded,
+                    &k.state,
+                ],
+                &args,
+            )
+            .await?;
         Ok(built == 1)
     }
 
@@ -265,23 +319,22 @@ impl StockStore {
         repair: Option<(i64, i64)>,
     ) -> RedisResult<Audit> {
         let k = Keys::new(activity_id);
-        let mut conn = self.conn.clone();
-        let mut invocation = self.audit.prepare_invoke();
-        invocation
-            .key(&k.stock)
-            .key(&k.pending)
-            .key(&k.res)
-            .key(&k.refunded)
-            .arg(total)
-            .arg(live_units);
+        let mut args = vec![arg(total), arg(live_units)];
         match repair {
-            Some((stock, pending)) => invocation.arg("repair").arg(stock).arg(pending),
-            None => invocation.arg("read").arg(0).arg(0),
-        };
-        for (reservation, units) in owed {
-            invocation.arg(reservation).arg(*units);
+            Some((stock, pending)) => args.extend([arg("repair"), arg(stock), arg(pending)]),
+            None => args.extend([arg("read"), arg(0), arg(0)]),
         }
-        let v: Vec<i64> = invocation.invoke_async(&mut conn).await?;
+        for (reservation, units) in owed {
+            args.push(arg(reservation));
+            args.push(arg(*units));
+        }
+        let v: Vec<i64> = self
+            .run(
+                &self.audit,
+                &[&k.stock, &k.pending, &k.res, &k.refunded],
+                &args,
+            )
+            .await?;
         let at = |i: usize| v.get(i).copied().unwrap_or_default();
         Ok(Audit {
             loaded: at(0) == 1,

@@ -1,0 +1,370 @@
+//! Real processes on loopback for the fault suite: the `flashsale` binary, and a
+//! Redis, MariaDB or tansu broker of the scenario's own, each on a free port with
+//! its data in a temporary folder, so a scenario may kill them.
+
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+pub fn wait_for_port(port: u16, within: Duration, what: &str) {
+    let deadline = Instant::now() + within;
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "{what} did not listen on {port}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn which(name: &str, fallbacks: &[&str]) -> PathBuf {
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let candidate = dir.join(name);
+            if candidate.is_file() {
+                return candidate;
+            }
+        }
+    }
+    for f in fallbacks {
+        let p = PathBuf::from(f);
+        if p.is_file() {
+            return p;
+        }
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let cargo = home.join(".cargo/bin").join(name);
+    assert!(
+        cargo.is_file(),
+        "{name} is not installed: run scripts/services.sh"
+    );
+    cargo
+}
+
+/// A child process that is killed when dropped.
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> Self {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("log file");
+        let err = out.try_clone().expect("log file");
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err))
+            .spawn()
+            .unwrap_or_else(|e| panic!("{name} did not start: {e}"));
+        Proc {
+            name: name.to_owned(),
+            child: Some(child),
+            log,
+        }
+    }
+
+    /// `Some(success)` once the process has exited.
+    pub fn try_wait(&mut self) -> Option<bool> {
+        let child = self.child.as_mut()?;
+        match child.try_wait() {
+            Ok(Some(status)) => Some(status.success()),
+            _ => None,
+        }
+    }
+
+    /// SIGKILL: no shutdown hook runs, as in a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait: a graceful stop.
+    pub fn terminate(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(c.id().to_string())
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub struct Redis {
+    pub port: u16,
+    proc: Option<Proc>,
+    dir: PathBuf,
+}
+
+impl Redis {
+    pub fn start(dir: &Path) -> Self {
+        let mut r = Redis {
+            port: free_port(),
+            proc: None,
+            dir: dir.to_owned(),
+        };
+        r.restart_empty();
+        r
+    }
+
+    /// Starts again with nothing in memory (it keeps nothing on disk).
+    pub fn restart_empty(&mut self) {
+        self.kill();
+        let mut cmd = Command::new(which("redis-server", &["/usr/bin/redis-server"]));
+        cmd.args(["--port", &self.port.to_string()]).args([
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]);
+        cmd.current_dir(&self.dir);
+        self.proc = Some(Proc::spawn("redis", cmd, self.dir.join("redis.log")));
+        wait_for_port(self.port, Duration::from_secs(10), "redis");
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+pub struct MariaDb {
+    pub port: u16,
+    proc: Option<Proc>,
+    data: PathBuf,
+    dir: PathBuf,
+}
+
+impl MariaDb {
+    pub fn start(dir: &Path) -> Self {
+        let data = dir.join("mariadb");
+        let status = Command::new(which(
+            "mariadb-install-db",
+            &["/usr/bin/mariadb-install-db"],
+        ))
+        .args(["--no-defaults", "--auth-root-authentication-method=normal"])
+        .args(["--skip-test-db", "--user=root"])
+        .arg(format!("--datadir={}", data.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("mariadb-install-db runs");
+        assert!(status.success(), "mariadb-install-db failed");
+        let mut m = MariaDb {
+            port: free_port(),
+            proc: None,
+            data,
+            dir: dir.to_owned(),
+        };
+        m.start_again();
+        m
+    }
+
+    pub fn start_again(&mut self) {
+        let mut cmd = Command::new(which("mariadbd", &["/usr/sbin/mariadbd"]));
+        cmd.arg("--no-defaults")
+            .arg(format!("--datadir={}", self.data.display()))
+            .arg(format!("--port={}", self.port))
+            .arg(format!(
+                "--socket={}",
+                self.dir.join("mariadb.sock").display()
+            ))
+            .args(["--bind-address=127.0.0.1", "--user=root", "--skip-log-bin"])
+            .args(["--innodb-buffer-pool-size=64M", "--max-connections=200"]);
+        self.proc = Some(Proc::spawn("mariadb", cmd, self.dir.join("mariadb.log")));
+        wait_for_port(self.port, Duration::from_secs(30), "mariadb");
+    }
+
+    /// SIGKILL: crash recovery on the next start.
+    pub fn kill(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+    }
+
+    pub fn url(&self, db: &str) -> String {
+        format!("mysql://root@127.0.0.1:{}/{db}", self.port)
+    }
+}
+
+pub struct Broker {
+    pub port: u16,
+    proc: Option<Proc>,
+    dir: PathBuf,
+}
+
+impl Broker {
+    pub fn start(dir: &Path) -> Self {
+        let dir = dir.join("tansu");
+        std::fs::create_dir_all(&dir).expect("broker dir");
+        let mut b = Broker {
+            port: free_port(),
+            proc: None,
+            dir,
+        };
+        b.start_again();
+        b
+    }
+
+    /// Starts on the same port and data, as a restarted broker would.
+    pub fn start_again(&mut self) {
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let mut cmd = Command::new(which("tansu", &[]));
+        cmd.current_dir(&self.dir).args([
+            "broker",
+            "--listener-url",
+            &url,
+            "--advertised-listener-url",
+            &url,
+            "--storage-engine",
+            "sqlite://tansu.db",
+        ]);
+        self.proc = Some(Proc::spawn("tansu", cmd, self.dir.join("tansu.log")));
+        wait_for_port(self.port, Duration::from_secs(10), "tansu");
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+    }
+
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+}
+
+/// The configuration of one `flashsale` process, as environment variables.
+#[derive(Clone, Debug)]
+pub struct Env {
+    pub vars: Vec<(String, String)>,
+}
+
+impl Env {
+    pub fn set(&mut self, key: &str, value: impl ToString) {
+        let key = key.to_owned();
+        self.vars.retain(|(k, _)| *k != key);
+        self.vars.push((key, value.to_string()));
+    }
+}
+
+pub fn flashsale(args: &[&str], env: &Env, log: PathBuf, name: &str) -> Proc {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_flashsale"));
+    cmd.args(args)
+        .env(
+            "FLASHSALE_CONFIG_DIR",
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+        )
+        .env("FLASHSALE_ENV", "test")
+        .env_remove("RUST_LOG");
+    for (k, v) in &env.vars {
+        cmd.env(k, v);
+    }
+    Proc::spawn(name, cmd, log)
+}
+
+/// A `flashsale serve` on a fixed port, restartable on the same port.
+pub struct Service {
+    pub port: u16,
+    pub proc: Option<Proc>,
+    env: Env,
+    log: PathBuf,
+    name: String,
+}
+
+impl Service {
+    pub fn start(name: &str, env: &Env, dir: &Path) -> Self {
+        let port = free_port();
+        let mut env = env.clone();
+        env.set("FLASHSALE__SERVER__ADDR", format!("127.0.0.1:{port}"));
+        let mut s = Service {
+            port,
+            proc: None,
+            env,
+            log: dir.join(format!("{name}.log")),
+            name: name.to_owned(),
+        };
+        s.start_again();
+        s
+    }
+
+    pub fn start_again(&mut self) {
+        self.proc = Some(flashsale(
+            &["serve"],
+            &self.env,
+            self.log.clone(),
+            &self.name,
+        ));
+        wait_for_port(self.port, Duration::from_secs(60), &self.name);
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
+        }
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.terminate();
+        }
+    }
+
+    pub fn base(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn log_tail(&self) -> String {
+        std::fs::read_to_string(&self.log)
+            .map(|t| {
+                let lines: Vec<&str> = t.lines().collect();
+                lines[lines.len().saturating_sub(30)..].join("\n")
+            })
+            .unwrap_or_default()
+    }
+}
