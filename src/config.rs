@@ -78,6 +78,10 @@ pub struct KafkaSettings {
     pub replication_factor: i32,
     pub publish_timeout_ms: u64,
     pub linger_ms: u64,
+    /// The idempotent producer (no duplicates from retries). On by default; off
+    /// only for brokers whose idempotence support is broken (tansu 0.6): the
+    /// consumer absorbs duplicates anyway.
+    pub idempotence: bool,
     /// librdkafka's `debug` contexts (e.g. "consumer,cgrp"); empty for none.
     #[serde(default)]
     pub client_debug: String,
