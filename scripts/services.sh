@@ -183,6 +183,16 @@ kafka_pid() {
 kafka_up() { port_open "$KAFKA_PORT"; }
 
 ensure_kafka() {
+    # tansu 0.6 can panic in its storage task and keep the port open while
+    # refusing every request; a broker of ours in that state is restarted.
+    local broken_pid
+    if kafka_up && broken_pid="$(kafka_pid)" && grep -q "panicked at" "$KAFKA_LOG" 2>/dev/null; then
+        log "kafka: tansu (pid $broken_pid) panicked earlier (see $KAFKA_LOG); restarting it"
+        kill "$broken_pid" 2>/dev/null || true
+        wait_until 50 0.2 bash -c "! kill -0 $broken_pid 2>/dev/null" || kill -9 "$broken_pid" 2>/dev/null || true
+        mv -f "$KAFKA_LOG" "$KAFKA_LOG.panicked" 2>/dev/null || true
+        rm -f "$KAFKA_PID_FILE"
+    fi
     if kafka_up; then
         log "kafka: already running on 127.0.0.1:$KAFKA_PORT (something answers on the port)"
         return
@@ -205,7 +215,7 @@ ensure_kafka() {
     local tansu
     if ! tansu="$(find_tansu)"; then
         command -v cargo >/dev/null 2>&1 || die "tansu is not installed and cargo is not on PATH"
-        log "kafka: tansu not found; installing tansu $TANSU_VERSION with cargo (takes about 8 minutes on 2 cores)"
+        log "kafka: tansu not found; installing tansu $TANSU_VERSION with cargo (takes 10 to 20 minutes on 2 cores)"
         cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore,libsql
         tansu="$(find_tansu)" || die "cargo install finished but no tansu binary was found"
     fi
