@@ -18,4 +18,17 @@ for db in $stale; do
     mariadb -h127.0.0.1 -uroot -e "DROP DATABASE \`$db\`"
 done
 
-cargo test --workspace --locked "$@"
+# One closing line for the whole run: every libtest summary plus the fault
+# suite's own, added up.
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace --locked "$@" 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+awk '
+    /^test result: / { passed += $4; failed += $6 }
+    /^faults: [0-9]+ passed, [0-9]+ failed$/ { passed += $2; failed += $4 }
+    END { printf "tests: %d passed, %d failed\n", passed, failed }
+' "$log"
+exit "$status"
