@@ -66,21 +66,27 @@ pub async fn migrate(settings: &MysqlSettings) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The reservation and dead-letter topics, when `kafka.create_topics` is on.
+async fn create_topics(settings: &Settings) -> anyhow::Result<()> {
+    if settings.kafka.create_topics {
+        let topics = [
+            settings.kafka.topic.as_str(),
+            settings.kafka.dead_letter_topic.as_str(),
+        ];
+        queue::ensure_topics(&settings.kafka, &topics)
+            .await
+            .context("failed to create the Kafka topics")?;
+    }
+    Ok(())
+}
+
 impl Application {
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
         let metrics = telemetry::metrics_handle()?;
         let pool = connect_mysql(&settings.mysql).await?;
         let redis = RedisConn::connect(&settings.redis).await?;
         let publisher = Publisher::new(&settings.kafka)?;
-        if settings.kafka.create_topics {
-            let topics = [
-                settings.kafka.topic.as_str(),
-                settings.kafka.dead_letter_topic.as_str(),
-            ];
-            queue::ensure_topics(&settings.kafka, &topics)
-                .await
-                .context("failed to create the Kafka topics")?;
-        }
+        create_topics(&settings).await?;
         let activities = ActivityRepo::new(pool.clone());
         let cache = ActivityCache::new(activities.clone());
         cache
@@ -234,15 +240,7 @@ pub async fn run_consumer(settings: Settings, shutdown: CancellationToken) -> an
     let pool = connect_mysql(&settings.mysql).await?;
     let redis = RedisConn::connect(&settings.redis).await?;
     let publisher = Publisher::new(&settings.kafka)?;
-    if settings.kafka.create_topics {
-        let topics = [
-            settings.kafka.topic.as_str(),
-            settings.kafka.dead_letter_topic.as_str(),
-        ];
-        queue::ensure_topics(&settings.kafka, &topics)
-            .await
-            .context("failed to create the Kafka topics")?;
-    }
+    create_topics(&settings).await?;
     let writer = OrderWriter {
         repo: OrderRepo::new(pool.clone()),
         stock: StockStore::new(redis),

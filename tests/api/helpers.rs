@@ -154,6 +154,16 @@ impl TestApp {
     /// An activity open now with `stock` units, loaded into Redis and selling:
     /// created, paused, preloaded, resumed — the operator's sequence.
     pub async fn open_sale(&self, stock: u32, per_user_limit: u32) -> Sale {
+        self.open_sale_with(stock, per_user_limit, 900).await
+    }
+
+    /// `open_sale` with a payment window of its own.
+    pub async fn open_sale_with(
+        &self,
+        stock: u32,
+        per_user_limit: u32,
+        payment_timeout_secs: u32,
+    ) -> Sale {
         let sku = unique("sku-");
         let now = Utc::now();
         let resp = self
@@ -163,7 +173,7 @@ impl TestApp {
                 "per_user_limit": per_user_limit,
                 "starts_at": now - chrono::Duration::seconds(5),
                 "ends_at": now + chrono::Duration::hours(1),
-                "payment_timeout_secs": 900,
+                "payment_timeout_secs": payment_timeout_secs,
             }))
             .await;
         assert_eq!(resp.status(), StatusCode::CREATED);

@@ -8,7 +8,7 @@ use flashsale::orders::{Incoming, OrderStatus, Sweeper};
 use flashsale::queue::ReservationMessage;
 use reqwest::StatusCode;
 use secrecy::{ExposeSecret, SecretString};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::helpers::{
     assert_error, db_available, eventually, order_counts, spawn_app_with, topic_len, Relay, TestApp,
@@ -334,23 +334,8 @@ async fn a_lapsed_unit_is_sold_again() {
         s.orders.sweep_interval_secs = 1;
     })
     .await;
-    let now = chrono::Utc::now();
-    let sku = crate::helpers::unique("sku-");
-    let resp = app
-        .create_activity(json!({
-            "sku": sku, "stock": 1, "payment_timeout_secs": 1,
-            "starts_at": now - chrono::Duration::seconds(5),
-            "ends_at": now + chrono::Duration::hours(1),
-        }))
-        .await;
-    let id = resp.json::<Value>().await.expect("json")["id"]
-        .as_str()
-        .expect("id")
-        .to_owned();
-    for step in ["pause", "preload", "resume"] {
-        app.admin_post(&format!("/admin/activities/{id}/{step}"), None)
-            .await;
-    }
+    let sale = app.open_sale_with(1, 1, 1).await;
+    let (id, sku) = (sale.id, sale.sku);
     assert_eq!(
         app.reserve(&sku, "slow", None).await.status(),
         StatusCode::ACCEPTED
@@ -401,23 +386,8 @@ async fn a_lapsed_unit_is_sold_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn payments_race_the_sweeper() {
     let app = spawn_app_with(with_workers).await;
-    let now = chrono::Utc::now();
-    let sku = crate::helpers::unique("sku-");
-    let resp = app
-        .create_activity(json!({
-            "sku": sku, "stock": 40, "payment_timeout_secs": 2,
-            "starts_at": now - chrono::Duration::seconds(5),
-            "ends_at": now + chrono::Duration::hours(1),
-        }))
-        .await;
-    let id = resp.json::<Value>().await.expect("json")["id"]
-        .as_str()
-        .expect("id")
-        .to_owned();
-    for step in ["pause", "preload", "resume"] {
-        app.admin_post(&format!("/admin/activities/{id}/{step}"), None)
-            .await;
-    }
+    let sale = app.open_sale_with(40, 1, 2).await;
+    let (id, sku) = (sale.id, sale.sku);
     for i in 0..40 {
         assert_eq!(
             app.reserve(&sku, &format!("p{i}"), None).await.status(),
