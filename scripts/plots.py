@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Plots of a benchmark comparison: reads RESULTS/summary.json (written by the
+`compare` binary) and writes four PNGs next to it.
+
+    scripts/plots.py results
+
+- throughput.png     requests/s per strategy (saturation and the small-stock sale),
+                     with the no-op (HTTP) and broker ceilings as lines
+- latency_cdf.png    latency CDF per strategy, at saturation and at half of it,
+                     with a tail view (nines) below each
+- side_query.png     the other business's query, p50 and p99, idle and during
+                     each strategy's runs
+- sale_timeline.png  answers per second during the small-stock sale, with the
+                     moment each strategy sold out
+
+scripts/bench.sh runs it from a virtualenv with matplotlib; it needs nothing else.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {
+    "noop": "#7f7f7f",
+    "mysql": "#d62728",
+    "redis-decr": "#ff7f0e",
+    "redis-lock": "#9467bd",
+    "service": "#2ca02c",
+}
+
+
+def color(name):
+    return COLORS.get(name, "#1f77b4")
+
+
+def phase(strategy, key):
+    return strategy.get(key) or None
+
+
+def throughput(summary, out):
+    strategies = summary["strategies"]
+    names = [s["name"] for s in strategies]
+    sat = [(phase(s, "saturation") or {}).get("load", {}).get("throughput_rps", 0) for s in strategies]
+    small = [(phase(s, "small") or {}).get("load", {}).get("throughput_rps", 0) for s in strategies]
+    fig, ax = plt.subplots(figsize=(10, 5.2))
+    y = range(len(names))
+    h = 0.38
+    bars = ax.barh([i - h / 2 for i in y], sat, height=h,
+                   color=[color(n) for n in names], label="saturation (stock ≥ users)")
+    ax.barh([i + h / 2 for i in y], small, height=h, color=[color(n) for n in names],
+            alpha=0.45, hatch="//", label="small-stock sale (mostly sold out)")
+    noop = next((v for n, v in zip(names, sat) if n == "noop"), None)
+    for bar, value in zip(bars, sat):
+        label = f"{value:,.0f}"
+        if noop:
+            label += f"  ({value / noop:.2f}× no-op)"
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, "  " + label,
+                va="center", fontsize=9)
+    if noop:
+        ax.axvline(noop, color=color("noop"), linestyle="--", linewidth=1)
+        ax.text(noop, 0.5, " HTTP ceiling (no-op) ", fontsize=8, color=color("noop"), rotation=90,
+                ha="right", va="center", transform=ax.get_xaxis_transform())
+    conc = summary["options"]["concurrency"]
+    broker = next((b for b in summary.get("broker_ceiling", []) if b["in_flight"] == conc), None)
+    if broker:
+        ax.axvline(broker["rps"], color="#1f77b4", linestyle=":", linewidth=1.2)
+        ax.text(broker["rps"], 0.5, f" broker ceiling, {conc} in flight: {broker['rps']:,.0f}/s ",
+                fontsize=8, color="#1f77b4", rotation=90, ha="right", va="center",
+                transform=ax.get_xaxis_transform())
+    redis = [c for c in summary.get("redis_ceiling", []) if c["pipeline"] == 1]
+    title = f"Reserve throughput at {conc} connections"
+    if redis:
+        title += f"  (Redis EVALSHA ceiling: {redis[0]['rps']:,.0f}/s, off the scale)"
+    ax.set_title(title, fontsize=11)
+    ax.set_yticks(list(y), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("requests per second")
+    ax.set_xlim(0, max(sat + small + [noop or 0]) * 1.35)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    plt.close(fig)
+
+
+def cdf_axes(ax_cdf, ax_tail, summary, key, title):
+    for s in summary["strategies"]:
+        p = phase(s, key)
+        if not p or not p["load"]["cdf"]:
+            continue
+        pts = [(ms, q) for ms, q in p["load"]["cdf"] if ms > 0]
+        xs = [ms for ms, _ in pts]
+        ys = [q for _, q in pts]
+        label = f"{s['name']} (p99 {p['load']['latency']['p99_ms']:.2f} ms)"
+        ax_cdf.plot(xs, ys, color=color(s["name"]), label=label, linewidth=1.6)
+        tail = [(ms, -math.log10(1 - q)) for ms, q in pts if q < 1]
+        ax_tail.plot([t[0] for t in tail], [t[1] for t in tail], color=color(s["name"]), linewidth=1.6)
+    ax_cdf.set_xscale("log")
+    ax_cdf.set_title(title, fontsize=10)
+    ax_cdf.set_ylabel("fraction of requests ≤ x")
+    ax_cdf.grid(alpha=0.3, which="both")
+    ax_cdf.legend(fontsize=7, loc="lower right")
+    ax_tail.set_xscale("log")
+    ax_tail.set_xlabel("latency (ms, log scale)")
+    ax_tail.set_yticks([0, 1, 2, 3, 4], ["0", "90%", "99%", "99.9%", "99.99%"])
+    ax_tail.set_ylabel("percentile (tail view)")
+    ax_tail.grid(alpha=0.3, which="both")
+    ax_tail.axvline(5, color="black", linestyle=":", linewidth=0.8)
+
+
+def latency_cdf(summary, out):
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex="col")
+    conc = summary["options"]["concurrency"]
+    cdf_axes(axes[0][0], axes[1][0], summary, "saturation", f"Saturation: {conc} connections, closed loop")
+    cdf_axes(axes[0][1], axes[1][1], summary, "half_rate", "Half of each strategy's saturation rate, open loop")
+    fig.suptitle("Latency of POST /flash/{sku}/reserve (dotted line: 5 ms)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=110)
+    plt.close(fig)
+
+
+def side_query(summary, out):
+    idle = summary["side_idle"]["latency"]
+    labels = ["idle"]
+    p50 = [idle["p50_ms"]]
+    p99 = [idle["p99_ms"]]
+    colors = ["#bbbbbb"]
+    for s in summary["strategies"]:
+        for key, what in (("saturation", "sat."), ("small", "sale")):
+            p = phase(s, key)
+            if p and p["side"]["queries"]:
+                labels.append(f"{s['name']}\n{what}")
+                p50.append(p["side"]["latency"]["p50_ms"])
+                p99.append(p["side"]["latency"]["p99_ms"])
+                colors.append(color(s["name"]))
+    fig, ax = plt.subplots(figsize=(12, 5))
+    x = range(len(labels))
+    w = 0.4
+    ax.bar([i - w / 2 for i in x], p50, width=w, color=colors, alpha=0.55, label="p50")
+    bars = ax.bar([i + w / 2 for i in x], p99, width=w, color=colors, label="p99", edgecolor="black", linewidth=0.6)
+    for bar, v in zip(bars, p99):
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.axhline(idle["p99_ms"] * 1.5, color="black", linestyle="--", linewidth=0.8)
+    ax.text(len(labels) - 0.5, idle["p99_ms"] * 1.5, "1.5 × idle p99", ha="right", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.set_title(
+        f"The other business: point SELECT on another database of the same MariaDB, "
+        f"{summary['options']['side_rate']:.0f}/s (light: p50, dark: p99)",
+        fontsize=10,
+    )
+    ax.grid(axis="y", alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(out / "side_query.png", dpi=110)
+    plt.close(fig)
+
+
+def sale_timeline(summary, out):
+    fig, ax = plt.subplots(figsize=(11, 5))
+    any_line = False
+    for s in summary["strategies"]:
+        p = phase(s, "small")
+        if not p:
+            continue
+        tl = p["load"]["timeline"]
+        ts, rates = [], []
+        for a, b in zip(tl, tl[1:]):
+            dt = b["t_s"] - a["t_s"]
+            if dt > 0:
+                ts.append(b["t_s"])
+                rates.append((b["answered"] - a["answered"]) / dt)
+        if not ts:
+            continue
+        any_line = True
+        ax.plot(ts, rates, color=color(s["name"]), label=s["name"], linewidth=1.4)
+        sold = p["load"]["sale"].get("last_accept_after_s")
+        if sold is not None:
+            ax.axvline(sold, color=color(s["name"]), linestyle=":", linewidth=1)
+    o = summary["options"]
+    ax.set_title(
+        f"The flash sale: {o['small_stock']} units, {o['small_users']:,} users × {o['small_clicks']} clicks "
+        f"(dotted: last 202, the sale sold out)",
+        fontsize=10,
+    )
+    ax.set_xlabel("seconds since the first request")
+    ax.set_ylabel("answers per second")
+    ax.grid(alpha=0.3)
+    if any_line:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "sale_timeline.png", dpi=110)
+    plt.close(fig)
+
+
+def main():
+    results = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
+    summary = json.loads((results / "summary.json").read_text())
+    throughput(summary, results)
+    latency_cdf(summary, results)
+    side_query(summary, results)
+    sale_timeline(summary, results)
+    print(f"plots: {', '.join(str(results / n) for n in ('throughput.png', 'latency_cdf.png', 'side_query.png', 'sale_timeline.png'))}")
+
+
+if __name__ == "__main__":
+    main()
