@@ -12,11 +12,13 @@ WORKDIR /src
 # [[bench]]/[[test]]/[[example]] targets or a build.rs explicitly, stub or
 # copy those files here too: cargo checks target paths when it reads the manifest.)
 COPY Cargo.toml Cargo.lock ./
-COPY bench/Cargo.toml bench/Cargo.toml
-RUN mkdir -p src benches bench/src \
+# The benchmark crate is a workspace member: cargo reads its manifest and target
+# paths, though `cargo build` at the root never builds it.
+COPY bench ./bench
+RUN mkdir -p src benches tests/faults \
  && echo 'fn main() {}' > src/main.rs \
  && echo 'fn main() {}' > benches/consumer.rs \
- && echo 'fn main() {}' > bench/src/main.rs \
+ && echo 'fn main() {}' > tests/faults/main.rs \
  && touch src/lib.rs \
  && cargo build --release --locked \
  && rm -rf src
@@ -28,7 +30,6 @@ RUN mkdir -p src benches bench/src \
 # `cargo sqlx prepare` and add `COPY .sqlx ./.sqlx` here (SQLX_OFFLINE is set).
 COPY src ./src
 COPY benches ./benches
-COPY bench ./bench
 COPY migrations ./migrations
 COPY config ./config
 ENV SQLX_OFFLINE=true
