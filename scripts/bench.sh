@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The benchmark: the service's reserve path side by side with the alternatives the
-# seed document weighed (MySQL alone, Redis DECR/INCR, a Redis lock), against the
+# The benchmark: the service's reserve path side by side with the usual
+# alternatives (MySQL alone, Redis DECR/INCR, a Redis lock), against the
 # ceilings measured in the same run (Redis EVALSHA of the reserve script, the
 # broker, a no-op endpoint behind the same HTTP layers), while another client
 # queries the same MariaDB. About four minutes on two cores (plus the first build).

@@ -1,5 +1,5 @@
-//! Benchmarks for flashsale: the load generator, the strategies the seed document
-//! weighed (each behind the same HTTP request shape as the service), and the suite
+//! Benchmarks for flashsale: the load generator, the strategies a flash-sale design
+//! weighs (each behind the same HTTP request shape as the service), and the suite
 //! that measures them side by side with their ceilings.
 //!
 //! Nothing here is linked into the `flashsale` binary. The pieces:

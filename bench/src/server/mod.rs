@@ -1,4 +1,4 @@
-//! The strategies the seed document weighed, each behind the same request shape as
+//! The strategies a flash-sale design weighs, each behind the same request shape as
 //! the service (`POST /flash/{sku}/reserve`, a user's bearer JWT, `202` or `409`), and
 //! behind the same layers as the service's own router, so that only the reserve
 //! step differs between them:
