@@ -24,6 +24,7 @@ use tower::ServiceBuilder;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 
+use crate::config::ServerSettings;
 use crate::error::AppError;
 use crate::state::AppState;
 
@@ -66,22 +67,40 @@ pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
         app = app.layer(per_ip);
     }
 
-    // One semaphore for the whole router: `Router::layer` clones a layer per route,
-    // and a plain ConcurrencyLimitLayer would then limit each route separately.
-    let in_flight = Arc::new(Semaphore::new(settings.max_concurrency));
-    let protection = ServiceBuilder::new()
-        .layer(HandleErrorLayer::new(middleware::overloaded))
-        .load_shed()
-        .layer(GlobalConcurrencyLimitLayer::with_semaphore(in_flight))
-        .timeout(Duration::from_millis(settings.request_timeout_ms));
-
-    Router::new()
-        .merge(app.layer(protection))
+    let ops = Router::new()
         // Operations endpoints stay outside the load shedding and rate limits, so a
         // saturated instance can still be probed and scraped.
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
-        .route("/metrics", get(ops::metrics))
+        .route("/metrics", get(ops::metrics));
+    observe(protect(app, settings).merge(ops), settings).with_state(state)
+}
+
+/// Load shedding, a global concurrency limit and a timeout, answering in the API's
+/// error shape. One semaphore for the whole router: `Router::layer` clones a layer
+/// per route, and a plain ConcurrencyLimitLayer would then limit each route
+/// separately.
+pub fn protect<S>(router: Router<S>, settings: &ServerSettings) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+{
+    let in_flight = Arc::new(Semaphore::new(settings.max_concurrency));
+    router.layer(
+        ServiceBuilder::new()
+            .layer(HandleErrorLayer::new(middleware::overloaded))
+            .load_shed()
+            .layer(GlobalConcurrencyLimitLayer::with_semaphore(in_flight))
+            .timeout(Duration::from_millis(settings.request_timeout_ms)),
+    )
+}
+
+/// The outermost layers of every route: the body limit, request metrics, and a
+/// request id carried by the trace span and echoed in the answer.
+pub fn observe<S>(router: Router<S>, settings: &ServerSettings) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+{
+    router
         .layer(DefaultBodyLimit::max(settings.body_limit_bytes))
         .layer(axum::middleware::from_fn(middleware::track_metrics))
         .layer(
@@ -90,5 +109,4 @@ pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
                 .layer(TraceLayer::new_for_http().make_span_with(middleware::make_span))
                 .layer(PropagateRequestIdLayer::x_request_id()),
         )
-        .with_state(state)
 }

@@ -36,15 +36,14 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::error_handling::HandleErrorLayer;
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use flashsale::auth::User;
 use flashsale::config::Settings;
 use flashsale::error::{AppError, AppResult};
-use flashsale::http::middleware::{self, require_user, RateLimiters};
+use flashsale::http::middleware::{require_user, RateLimiters};
 use flashsale::startup::{self, Application};
 use flashsale::state::AppState;
 use flashsale::stock::RedisConn;
@@ -56,11 +55,6 @@ use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{MySql, MySqlPool};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
-use tower::limit::GlobalConcurrencyLimitLayer;
-use tower::ServiceBuilder;
-use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
-use tower_http::trace::TraceLayer;
 
 use crate::with_database;
 
@@ -483,26 +477,12 @@ fn router(app_state: AppState, limiters: &RateLimiters, strategy: Strategy) -> R
     if let Some(per_ip) = limiters.per_ip_layer() {
         app = app.layer(per_ip);
     }
-    let in_flight = Arc::new(Semaphore::new(server.max_concurrency));
-    let protection = ServiceBuilder::new()
-        .layer(HandleErrorLayer::new(middleware::overloaded))
-        .load_shed()
-        .layer(GlobalConcurrencyLimitLayer::with_semaphore(in_flight))
-        .timeout(Duration::from_millis(server.request_timeout_ms));
-
-    Router::new()
-        .merge(app.layer(protection))
+    let extra = Router::new()
         .route("/bench/sales", post(open_sale))
         .route("/bench/sales/{sku}", get(sale_state))
-        .route("/healthz", get(|| async { "ok" }))
-        .layer(DefaultBodyLimit::max(server.body_limit_bytes))
-        .layer(axum::middleware::from_fn(middleware::track_metrics))
-        .layer(
-            ServiceBuilder::new()
-                .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
-                .layer(TraceLayer::new_for_http().make_span_with(middleware::make_span))
-                .layer(PropagateRequestIdLayer::x_request_id()),
-        )
+        .route("/healthz", get(|| async { "ok" }));
+    // The service's own protection and observation layers, shared, not copied.
+    flashsale::http::observe(flashsale::http::protect(app, &server).merge(extra), &server)
         .with_state(strategy)
 }
 
