@@ -11,6 +11,7 @@ pub mod config;
 pub mod error;
 pub mod http;
 pub mod orders;
+pub mod periodic;
 pub mod queue;
 pub mod reconcile;
 pub mod startup;

@@ -22,6 +22,7 @@ use crate::auth::Auth;
 use crate::config::{MysqlSettings, Settings};
 use crate::http::{self, RateLimiters};
 use crate::orders::{OrderConsumer, OrderRepo, OrderWriter, Sweeper};
+use crate::periodic;
 use crate::queue::{self, Publisher};
 use crate::reconcile::{Reconciler, Report};
 use crate::state::{AppState, Inner};
@@ -288,24 +289,18 @@ pub async fn reconcile_once(
 }
 
 async fn prune_rate_limiters(limiters: RateLimiters, shutdown: CancellationToken) {
-    let mut tick = tokio::time::interval(Duration::from_secs(60));
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => limiters.prune(),
-        }
-    }
+    periodic::every(Duration::from_secs(60), shutdown, || async {
+        limiters.prune()
+    })
+    .await;
 }
 
 /// Histograms are summarised lazily; upkeep keeps memory flat between scrapes.
 async fn metrics_upkeep(state: AppState, shutdown: CancellationToken) {
-    let mut tick = tokio::time::interval(Duration::from_secs(5));
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => state.metrics.run_upkeep(),
-        }
-    }
+    periodic::every(Duration::from_secs(5), shutdown, || async {
+        state.metrics.run_upkeep()
+    })
+    .await;
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -95,16 +95,11 @@ impl ActivityCache {
     /// Refreshes every `interval` until cancelled; a failed refresh keeps the last
     /// snapshot and is retried on the next tick.
     pub async fn run_refresher(self, interval: Duration, shutdown: CancellationToken) {
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {}
-            }
+        crate::periodic::every(interval, shutdown, || async {
             if let Err(err) = self.refresh().await {
                 tracing::warn!(error = %err, "activity cache refresh failed; keeping the last copy");
             }
-        }
+        })
+        .await;
     }
 }

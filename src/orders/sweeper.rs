@@ -79,18 +79,13 @@ impl Sweeper {
     }
 
     pub async fn run(self, interval: Duration, shutdown: CancellationToken) {
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {}
-            }
+        crate::periodic::every(interval, shutdown, || async {
             match self.sweep_once().await {
                 Ok(r) if r.cancelled > 0 || r.returned > 0 => tracing::info!(?r, "sweep done"),
                 Ok(_) => {}
                 Err(err) => tracing::warn!(error = %err, "sweep failed; retried on the next tick"),
             }
-        }
+        })
+        .await;
     }
 }
