@@ -57,6 +57,10 @@ pub struct RedisSettings {
     pub url: String,
     pub connection_timeout_ms: u64,
     pub response_timeout_ms: u64,
+    /// Replicas that must hold a reservation before its `202` (`WAIT`); 0: none.
+    pub min_replicas_acked: u32,
+    /// How long a reservation waits for those replicas before it is withdrawn.
+    pub replica_ack_timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

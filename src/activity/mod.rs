@@ -28,6 +28,9 @@ pub struct Activity {
     /// Paused by the service itself (its Redis state was lost); resumed by itself
     /// once rebuilt.
     pub auto_paused: bool,
+    /// How many times its Redis state was built from MySQL (0: never loaded).
+    #[serde(skip)]
+    pub redis_epoch: u32,
     pub created_at: DateTime<Utc>,
 }
 

@@ -4,9 +4,10 @@ use chrono::{DateTime, Utc};
 use sqlx::MySqlPool;
 
 use super::{Activity, ValidActivity};
+use crate::stock::Build;
 
 const COLUMNS: &str = "id, sku, stock, available, per_user_limit, starts_at, ends_at, \
-                       payment_timeout_secs, paused, auto_paused, created_at";
+                       payment_timeout_secs, paused, auto_paused, redis_epoch, created_at";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CreateError {
@@ -142,13 +143,55 @@ impl ActivityRepo {
         Ok(done.rows_affected() == 1)
     }
 
-    /// The users holding an order (of any status: a lapsed or failed order keeps the
-    /// purchase right spent) with their reservation ids, for rebuilding Redis.
-    pub async fn buyers(&self, id: &str) -> Result<Vec<(String, String)>, sqlx::Error> {
-        sqlx::query_as("SELECT user_id, reservation_id FROM orders WHERE activity_id = ?")
+    /// What a (re)build of the activity's Redis state needs, read in one
+    /// transaction under the activity's row lock (so no order is written half-way
+    /// through), which also counts the build (`redis_epoch`) and marks every failed
+    /// or cancelled order's units as back: `available` holds them already.
+    /// `None` if there is no such activity.
+    pub async fn build_snapshot(&self, id: &str) -> Result<Option<Build>, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        let row: Option<(i32, bool, bool, u32)> = sqlx::query_as(
+            "SELECT available, paused, auto_paused, redis_epoch FROM activities WHERE id = ? FOR UPDATE",
+        )
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((available, paused, auto_paused, epoch)) = row else {
+            return Ok(None);
+        };
+        sqlx::query("UPDATE activities SET redis_epoch = redis_epoch + 1 WHERE id = ?")
             .bind(id)
-            .fetch_all(&self.pool)
-            .await
+            .execute(&mut *tx)
+            .await?;
+        // A lapsed order keeps the purchase right spent; a failed one does not.
+        let buyers: Vec<(String, String)> = sqlx::query_as(
+            "SELECT user_id, reservation_id FROM orders WHERE activity_id = ? AND status <> 'failed'",
+        )
+        .bind(id)
+        .fetch_all(&mut *tx)
+        .await?;
+        let returned: Vec<(String,)> = sqlx::query_as(
+            "SELECT reservation_id FROM orders WHERE activity_id = ? AND status IN ('failed', 'cancelled')",
+        )
+        .bind(id)
+        .fetch_all(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE orders SET units_returned = TRUE WHERE activity_id = ? \
+             AND units_returned = FALSE AND status IN ('failed', 'cancelled')",
+        )
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(Some(Build {
+            available: i64::from(available),
+            // An automatic pause is undone by the rebuild itself.
+            paused: paused && !auto_paused,
+            epoch: epoch + 1,
+            buyers,
+            returned: returned.into_iter().map(|(r,)| r).collect(),
+        }))
     }
 
     /// Order counts by status.

@@ -14,6 +14,8 @@ use serde_json::{json, Value};
 use super::body;
 use crate::activity::{is_valid_id, Activity, CreateError, NewActivity, Window};
 use crate::error::{AppError, AppResult};
+use crate::queue;
+use crate::reconcile::Rebuild;
 use crate::state::AppState;
 use crate::stock::PreloadMode;
 
@@ -65,31 +67,70 @@ pub struct Preloaded {
     buyers: usize,
 }
 
-/// `POST /admin/activities/{id}/preload`: rebuilds the Redis state from MySQL.
-/// Refused while the sale is open and not paused, because reservations in flight
-/// would be forgotten.
+/// `POST /admin/activities/{id}/preload`: (re)builds the Redis state from MySQL,
+/// as safely as the automatic rebuild (`Reconciler::rebuild`). An activity that is
+/// not loaded is loaded whatever its window; a loaded one is refused while it is
+/// open and not paused, since reservations keep arriving.
 pub async fn preload(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> AppResult<Json<Preloaded>> {
     let activity = load(&state, &id).await?;
-    if activity.window(Utc::now()) == Window::Open && !activity.paused {
+    let live = state.stock.snapshot(&id).await.map_err(redis_down)?;
+    let loaded = live.stock.is_some() && live.state.is_some();
+    let paused = activity.paused || live.state.as_deref() == Some("paused");
+    if loaded && activity.window(Utc::now()) == Window::Open && !paused {
         return Err(AppError::Conflict(
             "the sale is open: pause it before preloading".into(),
         ));
     }
-    let buyers = state.activities.buyers(&id).await?;
-    let available = i64::from(activity.available);
-    state
-        .stock
-        .preload(&id, available, activity.paused, &buyers, PreloadMode::Force)
+    // Only an activity that was loaded before can have messages in the queue.
+    let lag = if activity.redis_epoch > 0 {
+        queue::consumer_lag(&state.settings.kafka)
+            .await
+            .map_err(|e| tracing::warn!(error = %e, "consumer lag unknown"))
+            .ok()
+    } else {
+        Some(0)
+    };
+    let rebuilt = state
+        .reconciler
+        .rebuild(&activity, PreloadMode::Force, lag)
         .await
-        .map_err(redis_down)?;
-    tracing::info!(activity_id = %id, stock = available, buyers = buyers.len(), "activity preloaded");
+        .map_err(reconcile_error)?;
+    let build = match rebuilt {
+        Rebuild::Built(build) => build,
+        Rebuild::Waiting(why) => {
+            tracing::warn!(activity_id = %id, %why, "preload deferred");
+            return Err(AppError::Unavailable(
+                "the order consumers are still draining the queue; retry shortly",
+            ));
+        }
+        Rebuild::AlreadyLoaded => {
+            return Err(AppError::Internal(anyhow::anyhow!(
+                "a forced preload reported the activity as already loaded"
+            )))
+        }
+    };
+    tracing::info!(activity_id = %id, stock = build.available, buyers = build.buyers.len(), epoch = build.epoch, "activity preloaded");
+    refresh_cache(&state).await;
     Ok(Json(Preloaded {
-        stock: available,
-        buyers: buyers.len(),
+        stock: build.available,
+        buyers: build.buyers.len(),
     }))
+}
+
+/// A reconciler failure: Redis unreachable is a 503, anything else a 500.
+fn reconcile_error(e: anyhow::Error) -> AppError {
+    if let Some(redis) = e.downcast_ref::<redis::RedisError>() {
+        tracing::warn!(error = %redis, "reconcile could not reach Redis");
+        AppError::Unavailable("stock store unreachable")
+    } else if let Some(db) = e.downcast_ref::<sqlx::Error>() {
+        tracing::warn!(error = %db, "reconcile could not reach MySQL");
+        AppError::Unavailable("database unreachable")
+    } else {
+        AppError::Internal(e.context("reconcile pass failed"))
+    }
 }
 
 async fn set_paused(state: &AppState, id: &str, paused: bool) -> AppResult<Json<Activity>> {
@@ -166,14 +207,7 @@ pub async fn reconcile(
         .reconciler
         .reconcile_activity(&activity)
         .await
-        .map_err(|e| {
-            if let Some(redis) = e.downcast_ref::<redis::RedisError>() {
-                tracing::warn!(error = %redis, "reconcile could not reach Redis");
-                AppError::Unavailable("stock store unreachable")
-            } else {
-                AppError::Internal(e.context("reconcile pass failed"))
-            }
-        })?;
+        .map_err(reconcile_error)?;
     refresh_cache(&state).await;
     Ok(Json(report))
 }

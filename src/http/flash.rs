@@ -1,6 +1,7 @@
 //! The user-facing sale endpoints: status, reserve, reservation status.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -14,10 +15,10 @@ use super::body;
 use crate::activity::{is_valid_sku, Activity, Window};
 use crate::auth::User;
 use crate::error::{AppError, AppResult};
-use crate::orders::OrderStatus;
+use crate::orders::{Decision, Incoming, OrderStatus, OrderWriter};
 use crate::queue::ReservationMessage;
 use crate::state::AppState;
-use crate::stock::{RefundMode, RefundOutcome, ReserveOutcome};
+use crate::stock::{FateChange, RefundMode, RefundOutcome, ReserveOutcome};
 
 fn activity_for(state: &AppState, sku: &str, now: DateTime<Utc>) -> AppResult<Arc<Activity>> {
     if !is_valid_sku(sku) {
@@ -178,7 +179,13 @@ async fn reserve_and_publish(
             tracing::warn!(error = %err, activity_id = %activity.id, "reserve script failed");
             // The script may have run with its answer lost; returning the units of a
             // reservation that does not exist is a no-op, so try once.
-            undo(state, activity, &new_id, user, quantity).await;
+            let lost = Incoming {
+                reservation_id: new_id,
+                activity_id: activity.id.clone(),
+                user_id: user.id.to_string(),
+                quantity,
+            };
+            undo(state, &lost).await;
             return Err(AppError::Unavailable("stock store unreachable"));
         }
     };
@@ -195,6 +202,19 @@ async fn reserve_and_publish(
             return Err(AppError::Unavailable("the sale is not loaded"));
         }
     };
+    let reserved = Reserved {
+        reservation_id: reservation_id.clone(),
+        activity_id: activity.id.clone(),
+        sku: activity.sku.clone(),
+        quantity,
+        status: "pending",
+    };
+    let incoming = Incoming {
+        reservation_id: reservation_id.clone(),
+        activity_id: activity.id.clone(),
+        user_id: user.id.to_string(),
+        quantity,
+    };
     let message = ReservationMessage {
         reservation_id: reservation_id.clone(),
         activity_id: activity.id.clone(),
@@ -203,48 +223,133 @@ async fn reserve_and_publish(
         quantity,
         reserved_at: now,
     };
-    if let Err(err) = state.publisher.publish(&message).await {
-        tracing::error!(error = %err, %reservation_id, "publish failed; returning the units");
-        metrics::counter!("kafka_publish_failures_total").increment(1);
-        undo(state, activity, &reservation_id, user, quantity).await;
-        return Err(AppError::Unavailable("order queue unreachable"));
+    match state.publisher.publish(&message).await {
+        Ok(()) => {}
+        Err(err) if err.never_sent() => {
+            tracing::error!(error = %err, %reservation_id, "publish failed before sending; returning the units");
+            metrics::counter!("kafka_publish_failures_total", "sent" => "no").increment(1);
+            undo(state, &incoming).await;
+            return Err(AppError::Unavailable("order queue unreachable"));
+        }
+        Err(err) => {
+            // The message may still land: let MySQL decide, once, between its order
+            // and its withdrawal.
+            tracing::error!(error = %err, %reservation_id, "publish outcome unknown; withdrawing the reservation");
+            metrics::counter!("kafka_publish_failures_total", "sent" => "unknown").increment(1);
+            return withdraw(state, incoming, reserved).await;
+        }
     }
-    Ok(Reserved {
-        reservation_id,
-        activity_id: activity.id.clone(),
-        sku: activity.sku.clone(),
-        quantity,
-        status: "pending",
-    })
+    // The message is in the queue. The 202 is a promise, so first make it one in
+    // Redis: once acknowledged, nobody may withdraw the reservation any more.
+    match state
+        .stock
+        .set_fate(&activity.id, &reservation_id, true)
+        .await
+    {
+        Ok(FateChange::Done) => {
+            replicated(state, &activity.id, &reservation_id).await?;
+            Ok(reserved)
+        }
+        Ok(change) => {
+            // The reconciler withdrew it (a publish slower than the pending
+            // deadline), or Redis lost it. Its message may make it an order; MySQL
+            // says which.
+            tracing::warn!(?change, %reservation_id, "reservation no longer acknowledgeable; asking MySQL");
+            withdraw(state, incoming, reserved).await
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, %reservation_id, "could not acknowledge the reservation; withdrawing it");
+            withdraw(state, incoming, reserved).await
+        }
+    }
+}
+
+/// With replicas configured (`redis.min_replicas_acked`), a `202` waits until they
+/// hold the acknowledged reservation, so a failover to one of them cannot forget
+/// it. If they do not answer in time the client gets `503`; the reservation stays
+/// acknowledged on the primary, and its message makes it an order (which the
+/// user's reservation status shows) unless the primary is lost, in which case the
+/// replica never knew it and the consumer adopts the order.
+async fn replicated(state: &AppState, activity_id: &str, reservation_id: &str) -> AppResult<()> {
+    let replicas = state.settings.redis.min_replicas_acked;
+    if replicas == 0 {
+        return Ok(());
+    }
+    let timeout = Duration::from_millis(state.settings.redis.replica_ack_timeout_ms);
+    match state
+        .stock
+        .wait_replicas(activity_id, replicas, timeout)
+        .await
+    {
+        Ok(n) if n >= replicas => Ok(()),
+        other => {
+            tracing::warn!(?other, %reservation_id, "replicas did not acknowledge the reservation in time");
+            metrics::counter!("redis_replica_ack_failures_total").increment(1);
+            Err(AppError::Unavailable("stock store replicas unreachable"))
+        }
+    }
+}
+
+/// Withdraws a reservation whose message may or may not be in the queue, through
+/// the one decision step (`OrderWriter::withdraw`): a `202` if MySQL already holds
+/// its order, a `503` otherwise. If MySQL cannot be reached it stays marked
+/// withdrawing in Redis, and the reconciler decides it.
+async fn withdraw(state: &AppState, incoming: Incoming, reserved: Reserved) -> AppResult<Reserved> {
+    let writer = OrderWriter {
+        repo: state.orders.clone(),
+        stock: state.stock.clone(),
+    };
+    match writer
+        .withdraw(
+            std::slice::from_ref(&incoming),
+            "its publish failed or timed out",
+        )
+        .await
+    {
+        Ok(decided) => {
+            if decided
+                .iter()
+                .any(|(_, d)| matches!(d, Decision::Ordered | Decision::Duplicate))
+            {
+                tracing::info!(reservation_id = %incoming.reservation_id, "its message arrived first: an order");
+                return Ok(reserved);
+            }
+            if decided.is_empty() {
+                // Acknowledged meanwhile: only this request acknowledges, so this
+                // cannot happen; a promise is kept all the same.
+                return Ok(reserved);
+            }
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, reservation_id = %incoming.reservation_id, "withdrawal not recorded; the reconciler finishes it");
+        }
+    }
+    Err(AppError::Unavailable("order queue unreachable"))
 }
 
 /// Returns a reservation that never reached the queue, and the user's right to try
 /// again. If this fails too, the reservation stays pending in Redis, where the
-/// reconciler finds it.
-async fn undo(
-    state: &AppState,
-    activity: &Activity,
-    reservation_id: &str,
-    user: &User,
-    quantity: u32,
-) {
+/// reconciler finds it (and withdraws it, since it was never acknowledged).
+async fn undo(state: &AppState, m: &Incoming) {
     match state
         .stock
         .refund(
-            &activity.id,
-            reservation_id,
-            &user.id,
-            quantity,
+            &m.activity_id,
+            &m.reservation_id,
+            &m.user_id,
+            m.quantity,
             RefundMode::Undo,
         )
         .await
     {
         Ok(RefundOutcome::Returned { units }) => {
-            tracing::info!(%reservation_id, units, "units returned");
+            tracing::info!(reservation_id = %m.reservation_id, units, "units returned");
         }
-        Ok(other) => tracing::debug!(%reservation_id, ?other, "nothing to return"),
+        Ok(other) => {
+            tracing::debug!(reservation_id = %m.reservation_id, ?other, "nothing to return")
+        }
         Err(err) => {
-            tracing::error!(error = %err, %reservation_id, "refund failed; left for the reconciler");
+            tracing::error!(error = %err, reservation_id = %m.reservation_id, "refund failed; left for the reconciler");
         }
     }
 }

@@ -3,10 +3,11 @@
 //! Messages are taken in batches (size and wait from `consumer.*`); one
 //! transaction turns a batch into orders; only then are the batch's offsets
 //! committed (`enable.auto.commit=false`), so a crash redelivers what was not
-//! committed and `UNIQUE(reservation_id)` / `UNIQUE(activity_id, user_id)` make the
-//! redelivery a no-op. A transient MySQL failure is retried with backoff, without
-//! committing and without refunding; a permanent failure of one message fails that
-//! reservation alone; a payload that cannot be read goes to the dead-letter topic.
+//! committed and `UNIQUE(reservation_id)` / `UNIQUE(activity_id, holder)` make the
+//! redelivery a no-op. A MySQL error is retried with backoff, without committing
+//! and without refunding, unless it says the data itself is bad (`is_permanent`):
+//! then that message alone is dead-lettered and its reservation failed; a payload
+//! that cannot be read goes to the dead-letter topic.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -19,11 +20,11 @@ use rdkafka::{Offset, TopicPartitionList};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::repo::{is_transient, Decision, Incoming, OrderRepo};
+use super::repo::{is_permanent, Decision, Incoming, NewRows, OrderRepo};
 use crate::activity::is_valid_id;
 use crate::config::Settings;
 use crate::queue::{Publisher, ReservationMessage};
-use crate::stock::{RefundMode, RefundOutcome, StockStore};
+use crate::stock::{FateChange, RefundMode, RefundOutcome, StockStore};
 
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
@@ -33,7 +34,10 @@ pub struct BatchReport {
     pub ordered: usize,
     pub duplicates: usize,
     pub failed: usize,
+    pub refused: usize,
+    pub withdrawn: usize,
     pub superseded: usize,
+    pub adopted: u64,
     pub dead_lettered: usize,
 }
 
@@ -46,7 +50,7 @@ pub struct OrderWriter {
 }
 
 impl OrderWriter {
-    /// Applies a batch, retrying transient failures until `shutdown`; returns
+    /// Applies a batch as orders, retrying MySQL errors until `shutdown`; returns
     /// `None` only if shut down before the batch was committed.
     pub async fn write(
         &self,
@@ -56,24 +60,38 @@ impl OrderWriter {
         if batch.is_empty() {
             return Some((Vec::new(), Vec::new()));
         }
+        match self.decide(batch, NewRows::Order, shutdown).await? {
+            Ok(decisions) => Some((decisions, Vec::new())),
+            Err(err) => {
+                // Something in the batch is bad data; find it by applying each
+                // message alone.
+                tracing::error!(error = %err, size = batch.len(), "batch refused; applying its messages one by one");
+                self.write_one_by_one(batch, shutdown).await
+            }
+        }
+    }
+
+    /// One decision step, retried with backoff while MySQL's error is not a
+    /// permanent one. `None` if shut down first; `Some(Err)` for bad data.
+    pub async fn decide(
+        &self,
+        batch: &[Incoming],
+        new_rows: NewRows,
+        shutdown: &CancellationToken,
+    ) -> Option<Result<Vec<Decision>, sqlx::Error>> {
         let mut backoff = Duration::from_millis(50);
         loop {
-            match self.repo.apply_batch(batch).await {
-                Ok(decisions) => return Some((decisions, Vec::new())),
-                Err(err) if is_transient(&err) => {
+            match self.repo.apply(batch, new_rows).await {
+                Ok(decisions) => return Some(Ok(decisions)),
+                Err(err) if is_permanent(&err) => return Some(Err(err)),
+                Err(err) => {
                     metrics::counter!("consumer_transient_errors_total").increment(1);
-                    tracing::warn!(error = %err, retry_in = ?backoff, "MySQL unavailable; batch will be retried");
+                    tracing::warn!(error = %err, retry_in = ?backoff, "MySQL refused the batch; it will be retried");
                     tokio::select! {
                         _ = shutdown.cancelled() => return None,
                         _ = tokio::time::sleep(backoff) => {}
                     }
                     backoff = (backoff * 2).min(MAX_BACKOFF);
-                }
-                Err(err) => {
-                    // Something in the batch is refused for good; find it by
-                    // applying each message alone.
-                    tracing::error!(error = %err, size = batch.len(), "batch refused; applying its messages one by one");
-                    return self.write_one_by_one(batch, shutdown).await;
                 }
             }
         }
@@ -87,39 +105,73 @@ impl OrderWriter {
         let mut decisions = Vec::with_capacity(batch.len());
         let mut refused = Vec::new();
         for (i, m) in batch.iter().enumerate() {
-            let mut backoff = Duration::from_millis(50);
-            loop {
-                match self.repo.apply_batch(std::slice::from_ref(m)).await {
-                    Ok(mut d) => {
-                        decisions.push(d.pop().unwrap_or(Decision::Duplicate));
-                        break;
-                    }
-                    Err(err) if is_transient(&err) => {
-                        tokio::select! {
-                            _ = shutdown.cancelled() => return None,
-                            _ = tokio::time::sleep(backoff) => {}
-                        }
-                        backoff = (backoff * 2).min(MAX_BACKOFF);
-                    }
-                    Err(err) => {
-                        refused.push((i, format!("refused by the database: {err}")));
-                        decisions.push(Decision::Failed {
-                            reason: "refused by the database",
-                        });
-                        break;
-                    }
+            let one = std::slice::from_ref(m);
+            match self.decide(one, NewRows::Order, shutdown).await? {
+                Ok(mut d) => decisions.push(d.pop().unwrap_or(Decision::Duplicate)),
+                Err(err) => {
+                    // Its order cannot be written; record it as withdrawn, through
+                    // the same step as every other decision, so it is decided once
+                    // and never stays pending.
+                    refused.push((i, format!("refused by the database: {err}")));
+                    let reason = "its order was refused by the database";
+                    let d = match self
+                        .decide(one, NewRows::Withdraw(reason), shutdown)
+                        .await?
+                    {
+                        Ok(mut d) => d.pop().unwrap_or(Decision::Withdrawn),
+                        Err(_) => Decision::Failed { reason },
+                    };
+                    decisions.push(d);
                 }
             }
         }
         Some((decisions, refused))
     }
 
-    /// After the commit: clear the pending marks of what MySQL now holds, and
-    /// return the units of what failed or lost. A Redis failure here is logged; the
-    /// sweeper (for failed rows) and the reconciler (for pending marks) finish it.
+    /// Withdraws reservations that have not reached anyone (their publish failed or
+    /// timed out, or the reconciler found them stale): each is first marked
+    /// withdrawing in Redis, so no `202` can be answered for it any more, then MySQL
+    /// decides under the activity lock (an order if its message got there first, a
+    /// withdrawal otherwise), then Redis settles. Reservations already acknowledged
+    /// are promises: they are left out, and so missing from the answer.
+    ///
+    /// One attempt: a MySQL error is returned, and the reservation stays marked
+    /// withdrawing in Redis, where the reconciler's next pass finishes it.
+    pub async fn withdraw(
+        &self,
+        batch: &[Incoming],
+        reason: &'static str,
+    ) -> anyhow::Result<Vec<(Incoming, Decision)>> {
+        let mut marked = Vec::with_capacity(batch.len());
+        for m in batch {
+            match self
+                .stock
+                .set_fate(&m.activity_id, &m.reservation_id, false)
+                .await?
+            {
+                FateChange::Done | FateChange::Unknown => marked.push(m.clone()),
+                FateChange::Refused => {}
+            }
+        }
+        if marked.is_empty() {
+            return Ok(Vec::new());
+        }
+        let decisions = self
+            .repo
+            .apply(&marked, NewRows::Withdraw(reason))
+            .await
+            .context("failed to record the withdrawal")?;
+        self.settle(&marked, &decisions).await;
+        Ok(marked.into_iter().zip(decisions).collect())
+    }
+
+    /// After the commit: clear the pending marks of what MySQL now holds, lower
+    /// Redis for what MySQL refused, and return the units of what failed, lost or
+    /// was withdrawn. A Redis failure here is logged; the sweeper (for failed rows)
+    /// and the reconciler (for pending marks and drift) finish it.
     pub async fn settle(&self, batch: &[Incoming], decisions: &[Decision]) -> BatchReport {
         let mut report = BatchReport::default();
-        let mut confirmed: HashMap<&str, Vec<String>> = HashMap::new();
+        let mut confirmed: HashMap<&str, Vec<(String, String, u32)>> = HashMap::new();
         let mut returned = Vec::new();
         for (m, d) in batch.iter().zip(decisions) {
             match d {
@@ -129,10 +181,40 @@ impl OrderWriter {
                     } else {
                         report.duplicates += 1;
                     }
-                    confirmed
-                        .entry(m.activity_id.as_str())
-                        .or_default()
-                        .push(m.reservation_id.clone());
+                    confirmed.entry(m.activity_id.as_str()).or_default().push((
+                        m.reservation_id.clone(),
+                        m.user_id.clone(),
+                        m.quantity,
+                    ));
+                }
+                Decision::AlreadyFailed => report.duplicates += 1,
+                Decision::Refused { available } => {
+                    report.refused += 1;
+                    metrics::counter!("promises_broken_total").increment(1);
+                    tracing::error!(
+                        incident = true,
+                        reservation_id = %m.reservation_id,
+                        activity_id = %m.activity_id,
+                        available,
+                        "MySQL holds fewer units than Redis handed out; the reservation failed and Redis is lowered"
+                    );
+                    match self
+                        .stock
+                        .lower(&m.activity_id, &m.reservation_id, &m.user_id, *available)
+                        .await
+                    {
+                        Ok(Some(by)) if by > 0 => {
+                            metrics::counter!("redis_stock_lowered_total").increment(by as u64);
+                        }
+                        Ok(_) => {}
+                        Err(err) => {
+                            tracing::warn!(error = %err, reservation_id = %m.reservation_id, "could not lower Redis; the reconciler repairs the drift")
+                        }
+                    }
+                }
+                Decision::Withdrawn => {
+                    report.withdrawn += 1;
+                    self.give_back(m, RefundMode::Undo, "withdrawn").await;
                 }
                 Decision::Failed { .. } | Decision::Superseded => {
                     let superseded = *d == Decision::Superseded;
@@ -142,36 +224,28 @@ impl OrderWriter {
                         report.failed += 1;
                     }
                     tracing::info!(reservation_id = %m.reservation_id, reason = reason_of(d), "reservation failed; returning its units");
-                    match self
-                        .stock
-                        .refund(
-                            &m.activity_id,
-                            &m.reservation_id,
-                            &m.user_id,
-                            m.quantity,
-                            RefundMode::Return,
-                        )
-                        .await
-                    {
-                        Ok(outcome) => {
-                            if !superseded {
-                                returned.push(m.reservation_id.clone());
-                            }
-                            if let RefundOutcome::Returned { units } = outcome {
-                                metrics::counter!("units_returned_total", "why" => "failed")
-                                    .increment(u64::from(units));
-                            }
-                        }
-                        Err(err) => {
-                            tracing::warn!(error = %err, reservation_id = %m.reservation_id, "refund failed; the sweeper retries")
-                        }
+                    if self.give_back(m, RefundMode::Return, "failed").await && !superseded {
+                        returned.push(m.reservation_id.clone());
                     }
                 }
             }
         }
-        for (activity_id, ids) in confirmed {
-            if let Err(err) = self.stock.confirm(activity_id, &ids).await {
-                tracing::warn!(error = %err, activity_id, "could not clear pending marks; the reconciler will");
+        for (activity_id, orders) in confirmed {
+            match self.stock.confirm(activity_id, &orders).await {
+                Ok(0) => {}
+                Ok(adopted) => {
+                    report.adopted += adopted;
+                    metrics::counter!("redis_lost_reservations_total").increment(adopted);
+                    tracing::error!(
+                        incident = true,
+                        activity_id,
+                        adopted,
+                        "Redis did not know orders MySQL holds (lost writes); adopted them"
+                    );
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, activity_id, "could not clear pending marks; the reconciler will");
+                }
             }
         }
         if let Err(err) = self.repo.mark_units_returned(&returned).await {
@@ -180,8 +254,36 @@ impl OrderWriter {
         metrics::counter!("orders_created_total").increment(report.ordered as u64);
         metrics::counter!("orders_duplicate_deliveries_total").increment(report.duplicates as u64);
         metrics::counter!("orders_failed_total")
-            .increment((report.failed + report.superseded) as u64);
+            .increment((report.failed + report.superseded + report.refused) as u64);
+        metrics::counter!("reservations_withdrawn_total").increment(report.withdrawn as u64);
         report
+    }
+
+    /// Returns a reservation's units to Redis (idempotent); whether Redis answered.
+    async fn give_back(&self, m: &Incoming, mode: RefundMode, why: &'static str) -> bool {
+        match self
+            .stock
+            .refund(
+                &m.activity_id,
+                &m.reservation_id,
+                &m.user_id,
+                m.quantity,
+                mode,
+            )
+            .await
+        {
+            Ok(outcome) => {
+                if let RefundOutcome::Returned { units } = outcome {
+                    metrics::counter!("units_returned_total", "why" => why)
+                        .increment(u64::from(units));
+                }
+                true
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, reservation_id = %m.reservation_id, "refund failed; retried later");
+                false
+            }
+        }
     }
 }
 

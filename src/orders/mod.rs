@@ -6,5 +6,7 @@ mod repo;
 pub mod sweeper;
 
 pub use consumer::{OrderConsumer, OrderWriter};
-pub use repo::{is_transient, Decision, Incoming, Order, OrderRepo, OrderStatus, PayOutcome};
+pub use repo::{
+    is_permanent, Decision, Incoming, NewRows, Order, OrderRepo, OrderStatus, PayOutcome,
+};
 pub use sweeper::Sweeper;

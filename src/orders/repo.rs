@@ -89,14 +89,16 @@ impl OrderRepo {
         OrderRepo { pool }
     }
 
-    /// The order of this user in this activity, if one reached MySQL.
+    /// The order of this user in this activity, if one reached MySQL: the live or
+    /// cancelled one if there is one, else the latest failed one.
     pub async fn by_user(
         &self,
         activity_id: &str,
         user_id: &str,
     ) -> Result<Option<Order>, sqlx::Error> {
         let row: Option<OrderRow> = sqlx::query_as(&format!(
-            "SELECT {COLUMNS} FROM orders WHERE activity_id = ? AND user_id = ?"
+            "SELECT {COLUMNS} FROM orders WHERE activity_id = ? AND user_id = ? \
+             ORDER BY status = 'failed', id DESC LIMIT 1"
         ))
         .bind(activity_id)
         .bind(user_id)
@@ -115,45 +117,61 @@ pub struct Incoming {
     pub quantity: u32,
 }
 
-/// What MySQL decided for one reservation.
+/// What MySQL decided for one reservation. Every reservation is decided once, under
+/// the activity's row lock; a later look at it finds the decision already made.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     /// A new order awaits payment; the units were taken from the DB count.
     Ordered,
-    /// The reservation already had its row (a redelivery): nothing changed.
+    /// The reservation is an order already (a redelivery, or its message arrived
+    /// after the reconciler honoured it): nothing changed.
     Duplicate,
-    /// Recorded as failed (no DB units left, unknown activity); its units must go
-    /// back to Redis.
+    /// The reservation has a failed row already: nothing changed.
+    AlreadyFailed,
+    /// The reservation is withdrawn (now, or before): it never becomes an order,
+    /// and its units and the user's right go back to Redis.
+    Withdrawn,
+    /// Recorded as failed for bad data (an unknown activity); its units go back.
     Failed { reason: &'static str },
+    /// MySQL has no units left for it: an incident (Redis handed out more than
+    /// MySQL holds). Recorded as failed with nothing owed back: Redis is lowered
+    /// to `available` (MySQL's count after the batch), never refunded.
+    Refused { available: i64 },
     /// The user already holds an order from another reservation: this one loses
     /// and its units must go back to Redis (no row is written for it).
     Superseded,
 }
 
-/// What a reservation MySQL does not hold yet becomes.
+/// What a reservation MySQL has not decided yet becomes.
 #[derive(Debug, Clone, Copy)]
-enum NewRows {
-    /// An order awaiting payment, taking its units (the consumer).
+pub enum NewRows {
+    /// An order awaiting payment, taking its units (the consumer, or the reconciler
+    /// honouring an acknowledged reservation).
     Order,
-    /// A failed reservation with this reason (the reconciler).
-    Fail(&'static str),
+    /// A withdrawal with this reason: the reservation never becomes an order (the
+    /// request whose publish failed, or the reconciler, before the message came).
+    Withdraw(&'static str),
 }
 
-/// MySQL error codes worth retrying: deadlock, lock wait timeout, and the
-/// connection-level failures sqlx reports as I/O or pool errors.
-pub fn is_transient(err: &sqlx::Error) -> bool {
+/// MySQL errors that mean the data itself is bad, so retrying cannot help: a value
+/// out of range, too long or of the wrong kind, a NULL where none may be, a
+/// failed check or foreign key. Everything else (lost connections, read-only
+/// after a failover, disk full, lock waits, timeouts, privileges, errors never
+/// seen before) is transient: retried with backoff, never refunded.
+pub fn is_permanent(err: &sqlx::Error) -> bool {
     match err {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::Tls(_) => true,
-        // ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK, ER_QUERY_INTERRUPTED,
-        // ER_SERVER_SHUTDOWN, ER_CON_COUNT_ERROR, ER_CONNECTION_KILLED
         sqlx::Error::Database(db) => db
             .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
-            .is_some_and(|e| matches!(e.number(), 1205 | 1213 | 1317 | 1053 | 1040 | 1927)),
+            .is_some_and(|e| {
+                matches!(
+                    e.number(),
+                    // ER_BAD_NULL_ERROR, ER_WARN_DATA_OUT_OF_RANGE, WARN_DATA_TRUNCATED,
+                    // ER_TRUNCATED_WRONG_VALUE, ER_TRUNCATED_WRONG_VALUE_FOR_FIELD,
+                    // ER_DATA_TOO_LONG, ER_NO_REFERENCED_ROW_2, ER_CHECK_CONSTRAINT_VIOLATED
+                    // (MySQL), ER_CONSTRAINT_FAILED (MariaDB)
+                    1048 | 1264 | 1265 | 1292 | 1366 | 1406 | 1452 | 3819 | 4025
+                )
+            }),
         _ => false,
     }
 }
@@ -184,19 +202,11 @@ impl OrderRepo {
         self.apply(batch, NewRows::Order).await
     }
 
-    /// The reconciler's side of the arbitration: under the same lock and the same
-    /// unique keys as the consumer, records every reservation of `batch` that MySQL
-    /// does not hold yet as failed. Whichever of the consumer and the reconciler
-    /// comes first decides; the other sees the row and does nothing.
-    pub async fn fail_absent(
-        &self,
-        batch: &[Incoming],
-        reason: &'static str,
-    ) -> Result<Vec<Decision>, sqlx::Error> {
-        self.apply(batch, NewRows::Fail(reason)).await
-    }
-
-    async fn apply(
+    /// Decides every reservation of `batch` that MySQL has not decided yet as
+    /// `new_rows` says, under the same lock and unique keys whoever calls it: the
+    /// consumer, a request withdrawing its own reservation, the reconciler.
+    /// Whichever comes first decides; the others find the decision.
+    pub async fn apply(
         &self,
         batch: &[Incoming],
         new_rows: NewRows,
@@ -228,7 +238,7 @@ impl OrderRepo {
 
         // What already exists, for these reservations or these users.
         let mut sql = format!(
-            "SELECT reservation_id, activity_id, user_id FROM orders WHERE reservation_id IN ({})",
+            "SELECT reservation_id, activity_id, user_id, status = 'failed' FROM orders WHERE reservation_id IN ({})",
             placeholders(batch.len())
         );
         let mut users_by_activity: HashMap<&str, Vec<&str>> = HashMap::new();
@@ -244,7 +254,7 @@ impl OrderRepo {
                 placeholders(users.len())
             ));
         }
-        let mut q = sqlx::query_as::<_, (String, String, String)>(&sql);
+        let mut q = sqlx::query_as::<_, (String, String, String, bool)>(&sql);
         for m in batch {
             q = q.bind(&m.reservation_id);
         }
@@ -255,79 +265,129 @@ impl OrderRepo {
             }
         }
         let existing = q.fetch_all(&mut *tx).await?;
-        let mut known_reservations: HashSet<String> = HashSet::new();
+        // Reservation -> whether its row is a failed one; users holding a live or
+        // cancelled order (a failed row spends no purchase right).
+        let mut known_reservations: HashMap<String, bool> = HashMap::new();
         let mut known_users: HashSet<(String, String)> = HashSet::new();
-        for (reservation, activity, user) in existing {
-            known_reservations.insert(reservation);
-            known_users.insert((activity, user));
+        for (reservation, activity, user, failed) in existing {
+            if !failed {
+                known_users.insert((activity, user));
+            }
+            known_reservations.insert(reservation, failed);
         }
+        let sql = format!(
+            "SELECT reservation_id FROM withdrawals WHERE reservation_id IN ({})",
+            placeholders(batch.len())
+        );
+        let mut q = sqlx::query_as::<_, (String,)>(&sql);
+        for m in batch {
+            q = q.bind(&m.reservation_id);
+        }
+        let mut withdrawn: HashSet<String> = q
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .map(|(r,)| r)
+            .collect();
 
         let mut decisions = Vec::with_capacity(batch.len());
-        let mut rows: Vec<(&Incoming, &'static str, Option<&'static str>, Option<u32>)> =
-            Vec::new();
+        let mut rows: Vec<NewOrder> = Vec::new();
+        let mut withdrawals: Vec<(&Incoming, &'static str)> = Vec::new();
         let mut taken: HashMap<&str, i64> = HashMap::new();
         let mut redelivered: HashMap<&str, u32> = HashMap::new();
         for m in batch {
             let user_key = (m.activity_id.clone(), m.user_id.clone());
-            let decision = if known_reservations.contains(&m.reservation_id) {
+            let decision = if let Some(failed) = known_reservations.get(&m.reservation_id) {
                 *redelivered.entry(m.reservation_id.as_str()).or_default() += 1;
-                Decision::Duplicate
+                if *failed {
+                    Decision::AlreadyFailed
+                } else {
+                    Decision::Duplicate
+                }
+            } else if withdrawn.contains(&m.reservation_id) {
+                Decision::Withdrawn
+            } else if let NewRows::Withdraw(reason) = new_rows {
+                withdrawals.push((m, reason));
+                withdrawn.insert(m.reservation_id.clone());
+                Decision::Withdrawn
             } else if known_users.contains(&user_key) {
                 Decision::Superseded
             } else {
                 let decision = match activities.get_mut(&m.activity_id) {
-                    _ if matches!(new_rows, NewRows::Fail(_)) => {
-                        let reason = match new_rows {
-                            NewRows::Fail(reason) => reason,
-                            NewRows::Order => "",
-                        };
-                        rows.push((m, "failed", Some(reason), None));
-                        Decision::Failed { reason }
-                    }
                     None => {
                         let reason = "unknown activity";
-                        rows.push((m, "failed", Some(reason), None));
+                        rows.push(NewOrder::failed(m, reason, false));
                         Decision::Failed { reason }
                     }
                     Some((timeout, available)) if *available >= i64::from(m.quantity) => {
                         *available -= i64::from(m.quantity);
                         *taken.entry(m.activity_id.as_str()).or_default() += i64::from(m.quantity);
-                        rows.push((m, "pending_payment", None, Some(*timeout)));
+                        rows.push(NewOrder {
+                            m,
+                            status: "pending_payment",
+                            reason: None,
+                            timeout: Some(*timeout),
+                            returned: false,
+                        });
+                        known_users.insert(user_key);
                         Decision::Ordered
                     }
                     Some(_) => {
-                        let reason = "no units left in the database";
-                        rows.push((m, "failed", Some(reason), None));
-                        Decision::Failed { reason }
+                        // Nothing is owed back: MySQL never had these units.
+                        rows.push(NewOrder::failed(m, "no units left in the database", true));
+                        Decision::Refused { available: 0 }
                     }
                 };
-                known_reservations.insert(m.reservation_id.clone());
-                known_users.insert(user_key);
+                known_reservations.insert(m.reservation_id.clone(), decision != Decision::Ordered);
                 decision
             };
             decisions.push(decision);
         }
+        // A refusal reports MySQL's count as it will be committed.
+        for (m, d) in batch.iter().zip(decisions.iter_mut()) {
+            if let Decision::Refused { available } = d {
+                *available = activities.get(&m.activity_id).map_or(0, |(_, a)| *a);
+            }
+        }
 
         for chunk in rows.chunks(500) {
             let values =
-                vec!["(?, ?, ?, ?, ?, ?, NOW(3), NOW(3) + INTERVAL ? SECOND)"; chunk.len()]
+                vec!["(?, ?, ?, ?, ?, ?, ?, NOW(3), NOW(3) + INTERVAL ? SECOND)"; chunk.len()]
                     .join(", ");
             let sql = format!(
                 "INSERT INTO orders \
-                 (reservation_id, activity_id, user_id, quantity, status, failure_reason, created_at, expires_at) \
+                 (reservation_id, activity_id, user_id, quantity, status, failure_reason, units_returned, created_at, expires_at) \
                  VALUES {values}"
             );
             let mut q = sqlx::query(&sql);
-            for (m, status, reason, timeout) in chunk {
+            for row in chunk {
+                q = q
+                    .bind(&row.m.reservation_id)
+                    .bind(&row.m.activity_id)
+                    .bind(&row.m.user_id)
+                    .bind(row.m.quantity)
+                    .bind(row.status)
+                    .bind(row.reason)
+                    .bind(row.returned)
+                    // NULL seconds make a NULL deadline, right for a failed row.
+                    .bind(row.timeout);
+            }
+            q.execute(&mut *tx).await?;
+        }
+        for chunk in withdrawals.chunks(500) {
+            let values = vec!["(?, ?, ?, ?, ?)"; chunk.len()].join(", ");
+            let sql = format!(
+                "INSERT INTO withdrawals (reservation_id, activity_id, user_id, quantity, reason) \
+                 VALUES {values}"
+            );
+            let mut q = sqlx::query(&sql);
+            for (m, reason) in chunk {
                 q = q
                     .bind(&m.reservation_id)
                     .bind(&m.activity_id)
                     .bind(&m.user_id)
                     .bind(m.quantity)
-                    .bind(*status)
-                    .bind(*reason)
-                    // NULL seconds make a NULL deadline, right for a failed row.
-                    .bind(*timeout);
+                    .bind(*reason);
             }
             q.execute(&mut *tx).await?;
         }
@@ -489,19 +549,6 @@ impl OrderRepo {
         .await
     }
 
-    /// A rebuild from MySQL counts every failed and cancelled order's units as
-    /// available already; nothing is owed to the new Redis state.
-    pub async fn mark_all_returned(&self, activity_id: &str) -> Result<(), sqlx::Error> {
-        sqlx::query(
-            "UPDATE orders SET units_returned = TRUE WHERE activity_id = ? \
-             AND units_returned = FALSE AND status IN ('failed', 'cancelled')",
-        )
-        .bind(activity_id)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
-    }
-
     /// Failed and cancelled orders whose units are not yet back in Redis.
     pub async fn unreturned(&self, limit: u32) -> Result<Vec<Order>, sqlx::Error> {
         let rows: Vec<OrderRow> = sqlx::query_as(&format!(
@@ -521,6 +568,28 @@ pub enum PayOutcome {
     AlreadyPaid(Order),
     Expired,
     NotFound,
+}
+
+/// One row the batch inserts into `orders`.
+struct NewOrder<'a> {
+    m: &'a Incoming,
+    status: &'static str,
+    reason: Option<&'static str>,
+    timeout: Option<u32>,
+    /// Whether nothing is owed back to Redis for it.
+    returned: bool,
+}
+
+impl<'a> NewOrder<'a> {
+    fn failed(m: &'a Incoming, reason: &'static str, returned: bool) -> Self {
+        NewOrder {
+            m,
+            status: "failed",
+            reason: Some(reason),
+            timeout: None,
+            returned,
+        }
+    }
 }
 
 fn placeholders(n: usize) -> String {

@@ -39,6 +39,26 @@ pub enum PublishError {
     Timeout(Duration),
 }
 
+impl PublishError {
+    /// Whether the message certainly never left this process (it could not be
+    /// encoded, or the client refused it before sending). Any other failure,
+    /// a time-out above all, may still land in the topic later.
+    pub fn never_sent(&self) -> bool {
+        match self {
+            PublishError::Encode(_) => true,
+            PublishError::Delivery(KafkaError::MessageProduction(code)) => matches!(
+                code,
+                RDKafkaErrorCode::QueueFull
+                    | RDKafkaErrorCode::MessageSizeTooLarge
+                    | RDKafkaErrorCode::InvalidMessageSize
+                    | RDKafkaErrorCode::UnknownTopic
+                    | RDKafkaErrorCode::UnknownPartition
+            ),
+            _ => false,
+        }
+    }
+}
+
 /// The producer: idempotent, `acks=all`, and every send awaits its delivery report,
 /// so a `202` always stands on a message the broker has acknowledged.
 ///

@@ -6,12 +6,19 @@
 //!    automatically (reservations already answer 503), and once the consumers have
 //!    drained the topic it is rebuilt from MySQL and resumed. An operator may
 //!    rebuild at once with the preload endpoint.
-//! 2. **Reservations pending past the deadline** never reached MySQL (the process
-//!    died between Redis and Kafka, or the message was lost): MySQL arbitrates
-//!    through the same lock and unique keys as the consumer. If the consumer got
-//!    there first, the pending mark is just cleared; otherwise the reservation is
-//!    recorded as failed and its units returned, and a late message finds it
-//!    decided.
+//! 2. **Reservations pending past the deadline** have not reached MySQL yet. What
+//!    becomes of one depends on its fate in Redis (`stock/fate.lua`):
+//!    - *acknowledged*: a `202` was answered, so its message is in the queue and it
+//!      must become an order. The reconciler honours it: it writes the order from
+//!      Redis's record, through the same lock and unique keys as the consumer, so
+//!      the message, whenever it comes, is a duplicate. A slow or stopped consumer
+//!      therefore never turns a `202` into anything but an order.
+//!    - *pending* (no `202` was answered: the request died, or is still waiting for
+//!      the broker): it is marked withdrawing, which forbids any later `202`, and
+//!      then MySQL decides: an order if its message got there first, else a
+//!      withdrawal, which a late message finds and leaves alone. Its unit and the
+//!      user's right go back to Redis.
+//!    - *withdrawing* (its request gave up but could not reach MySQL): the same.
 //! 3. **Stock drift**: Redis stock + pending units + units owed back (failed or
 //!    cancelled orders not yet refunded) + live orders' units must equal the
 //!    activity's stock. A difference is reported, and repaired from MySQL only
@@ -30,9 +37,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::activity::{Activity, ActivityCache, ActivityRepo, Window};
 use crate::config::KafkaSettings;
-use crate::orders::{Decision, Incoming, OrderRepo, OrderWriter};
+use crate::orders::{Decision, Incoming, NewRows, OrderRepo, OrderWriter};
 use crate::queue;
-use crate::stock::{Audit, PreloadMode, StockStore};
+use crate::stock::{Audit, Build, Fate, PreloadMode, StockStore};
 
 const EXPIRED_BATCH: usize = 500;
 
@@ -51,9 +58,14 @@ pub struct Report {
     pub resumed: bool,
     /// Pending reservations past the deadline, and what became of them.
     pub expired_pending: usize,
-    pub failed_by_reconciler: usize,
+    /// Acknowledged reservations the reconciler turned into orders itself.
+    pub honoured: usize,
+    /// Unacknowledged reservations the reconciler withdrew.
+    pub withdrawn: usize,
     pub already_in_mysql: usize,
     pub superseded: usize,
+    /// Reservations MySQL had no units for (incidents).
+    pub no_units: usize,
     pub mysql: MysqlFigures,
     pub redis: Option<Audit>,
     /// Redis stock minus what MySQL implies (0 when they agree).
@@ -61,6 +73,16 @@ pub struct Report {
     pub repaired: bool,
     /// Why something that differs was left alone.
     pub refused: Vec<String>,
+}
+
+/// What a rebuild did.
+#[derive(Debug)]
+pub enum Rebuild {
+    Built(Build),
+    /// `Missing` found the activity loaded: nothing to do.
+    AlreadyLoaded,
+    /// Not safe yet, and why.
+    Waiting(String),
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -99,6 +121,9 @@ impl Reconciler {
             checked_at: Utc::now(),
             ..Report::default()
         };
+        // Redis first, then the lag: a rebuild needs every message published
+        // before the loss was seen to have reached MySQL.
+        let snapshot = self.stock.snapshot(&activity.id).await?;
         report.consumer_lag = match queue::consumer_lag(&self.kafka).await {
             Ok(lag) => Some(lag),
             Err(err) => {
@@ -106,7 +131,6 @@ impl Reconciler {
                 None
             }
         };
-        let snapshot = self.stock.snapshot(&activity.id).await?;
         report.loaded = snapshot.stock.is_some() && snapshot.state.is_some();
         if !report.loaded {
             self.recover_lost(activity, &mut report).await?;
@@ -131,47 +155,27 @@ impl Reconciler {
                 metrics::counter!("activity_auto_paused_total").increment(1);
             }
         }
-        match report.consumer_lag {
-            Some(0) => {}
-            Some(lag) => {
-                report.refused.push(format!(
-                    "rebuild waits for the consumers to drain the topic ({lag} messages left)"
-                ));
+        match self
+            .rebuild(activity, PreloadMode::Missing, report.consumer_lag)
+            .await?
+        {
+            Rebuild::Waiting(why) => {
+                report.refused.push(format!("rebuild {why}"));
                 return Ok(());
             }
-            None => {
-                report
-                    .refused
-                    .push("rebuild waits: the consumers' lag is unknown".into());
-                return Ok(());
+            Rebuild::Built(build) => {
+                report.rebuilt = true;
+                tracing::warn!(activity_id = %activity.id, available = build.available, buyers = build.buyers.len(), "activity rebuilt from MySQL");
+                metrics::counter!("activity_rebuilt_total").increment(1);
             }
+            Rebuild::AlreadyLoaded => {}
         }
-        // Read MySQL only now: every reservation published before the loss is in it.
         let fresh = self
             .activities
             .get(&activity.id)
             .await?
             .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
-        let buyers = self.activities.buyers(&activity.id).await?;
-        // MySQL's `available` already counts the units of failed and cancelled
-        // orders; the new Redis state owes them nothing.
-        self.orders.mark_all_returned(&activity.id).await?;
-        let resume = fresh.auto_paused || !fresh.paused;
-        report.rebuilt = self
-            .stock
-            .preload(
-                &activity.id,
-                i64::from(fresh.available),
-                !resume,
-                &buyers,
-                PreloadMode::Missing,
-            )
-            .await?;
-        if report.rebuilt {
-            tracing::warn!(activity_id = %activity.id, available = fresh.available, buyers = buyers.len(), "activity rebuilt from MySQL");
-            metrics::counter!("activity_rebuilt_total").increment(1);
-        }
-        if resume {
+        if fresh.auto_paused || !fresh.paused {
             report.resumed = self.activities.auto_resume(&activity.id).await?;
             // Whoever built the state, it should now be open.
             self.stock.set_paused(&activity.id, false).await?;
@@ -179,9 +183,80 @@ impl Reconciler {
         Ok(())
     }
 
+    /// (Re)builds an activity's Redis state from MySQL, the one way both the
+    /// automatic recovery and the operator's preload do it:
+    /// - an activity that was ever loaded may have messages in the queue whose
+    ///   orders MySQL does not hold yet; the build waits until the consumers have
+    ///   drained it (`lag`, measured by the caller after Redis was found lost);
+    /// - a forced build over a loaded state first decides every pending
+    ///   reservation (acknowledged ones become orders, the rest are withdrawn), so
+    ///   nothing acknowledged is forgotten and nothing is counted twice;
+    /// - MySQL is read in one locked snapshot, and the units of failed and
+    ///   cancelled orders are recorded as returned in the new state, so a late
+    ///   refund of one is a no-op.
+    pub async fn rebuild(
+        &self,
+        activity: &Activity,
+        mode: PreloadMode,
+        lag: Option<i64>,
+    ) -> anyhow::Result<Rebuild> {
+        let fresh = self
+            .activities
+            .get(&activity.id)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
+        if fresh.redis_epoch > 0 {
+            match lag {
+                Some(0) => {}
+                Some(n) => {
+                    return Ok(Rebuild::Waiting(format!(
+                        "waits for the consumers to drain the queue ({n} messages left)"
+                    )))
+                }
+                None => {
+                    return Ok(Rebuild::Waiting(
+                        "waits: the consumers' lag is unknown".into(),
+                    ))
+                }
+            }
+        }
+        if mode == PreloadMode::Force {
+            let mut report = Report::default();
+            // Everything pending up to now (and a little beyond, for clock skew).
+            let until = Utc::now().timestamp_millis() + 60_000;
+            self.decide_pending(activity, until, &mut report).await?;
+        }
+        let build = self
+            .activities
+            .build_snapshot(&activity.id)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
+        let built = self.stock.preload(&activity.id, &build, mode).await?;
+        Ok(if built {
+            Rebuild::Built(build)
+        } else {
+            Rebuild::AlreadyLoaded
+        })
+    }
+
     async fn decide_expired(&self, activity: &Activity, report: &mut Report) -> anyhow::Result<()> {
         let deadline_ms = self.pending_deadline.as_millis().min(i64::MAX as u128) as i64;
-        let before = Utc::now().timestamp_millis() - deadline_ms;
+        self.decide_pending(
+            activity,
+            Utc::now().timestamp_millis() - deadline_ms,
+            report,
+        )
+        .await
+    }
+
+    /// Decides every reservation pending since before `before_ms`: acknowledged
+    /// ones become orders, the others are withdrawn (see the module's notes).
+    async fn decide_pending(
+        &self,
+        activity: &Activity,
+        before_ms: i64,
+        report: &mut Report,
+    ) -> anyhow::Result<()> {
         let writer = OrderWriter {
             repo: self.orders.clone(),
             stock: self.stock.clone(),
@@ -189,37 +264,59 @@ impl Reconciler {
         loop {
             let expired = self
                 .stock
-                .expired_pending(&activity.id, before, EXPIRED_BATCH)
+                .expired_pending(&activity.id, before_ms, EXPIRED_BATCH)
                 .await?;
             if expired.is_empty() {
                 return Ok(());
             }
-            let batch: Vec<Incoming> = expired
+            let full = expired.len() == EXPIRED_BATCH;
+            report.expired_pending += expired.len();
+            let (acked, unacked): (Vec<_>, Vec<_>) = expired
                 .into_iter()
-                .map(|(reservation_id, user_id, quantity)| Incoming {
-                    reservation_id,
-                    activity_id: activity.id.clone(),
-                    user_id,
-                    quantity,
-                })
-                .collect();
-            let decisions = self
-                .orders
-                .fail_absent(&batch, "never reached the order queue")
-                .await?;
-            report.expired_pending += batch.len();
-            for d in &decisions {
-                match d {
-                    Decision::Failed { .. } => report.failed_by_reconciler += 1,
-                    Decision::Superseded => report.superseded += 1,
-                    _ => report.already_in_mysql += 1,
+                .partition(|p| p.fate == Fate::Acknowledged);
+            let to_incoming = |p: crate::stock::PendingReservation| Incoming {
+                reservation_id: p.reservation_id,
+                activity_id: activity.id.clone(),
+                user_id: p.user_id,
+                quantity: p.units,
+            };
+            let acked: Vec<Incoming> = acked.into_iter().map(to_incoming).collect();
+            if !acked.is_empty() {
+                let decisions = self.orders.apply(&acked, NewRows::Order).await?;
+                for d in &decisions {
+                    match d {
+                        Decision::Ordered => report.honoured += 1,
+                        Decision::Superseded => report.superseded += 1,
+                        Decision::Refused { .. } => report.no_units += 1,
+                        _ => report.already_in_mysql += 1,
+                    }
                 }
+                metrics::counter!("reconcile_honoured_reservations_total")
+                    .increment(report.honoured as u64);
+                writer.settle(&acked, &decisions).await;
             }
-            metrics::counter!("reconcile_failed_reservations_total")
-                .increment(report.failed_by_reconciler as u64);
-            // Clears the pending marks and returns the units of what failed.
-            writer.settle(&batch, &decisions).await;
-            if batch.len() < EXPIRED_BATCH {
+            let unacked: Vec<Incoming> = unacked.into_iter().map(to_incoming).collect();
+            if !unacked.is_empty() {
+                let decided = writer
+                    .withdraw(
+                        &unacked,
+                        "withdrawn by the reconciler before it reached an order",
+                    )
+                    .await?;
+                let mut withdrawn = 0;
+                for (_, d) in &decided {
+                    match d {
+                        Decision::Withdrawn => withdrawn += 1,
+                        Decision::Superseded => report.superseded += 1,
+                        Decision::Refused { .. } => report.no_units += 1,
+                        _ => report.already_in_mysql += 1,
+                    }
+                }
+                report.withdrawn += withdrawn;
+                metrics::counter!("reconcile_withdrawn_reservations_total")
+                    .increment(withdrawn as u64);
+            }
+            if !full {
                 return Ok(());
             }
         }
@@ -317,7 +414,8 @@ impl Reconciler {
                 match self.reconcile_activity(&activity).await {
                     Ok(r)
                         if r.drift != 0
-                            || r.failed_by_reconciler > 0
+                            || r.withdrawn > 0
+                            || r.honoured > 0
                             || r.rebuilt
                             || !r.refused.is_empty() =>
                     {
@@ -356,8 +454,13 @@ impl Report {
             self.mysql.stock, self.mysql.available, self.mysql.live_units
         ));
         s.push_str(&format!(
-            "  expired pending {}: failed {}, already in MySQL {}, superseded {}\n",
-            self.expired_pending, self.failed_by_reconciler, self.already_in_mysql, self.superseded
+            "  expired pending {}: honoured {}, withdrawn {}, already in MySQL {}, superseded {}, no units {}\n",
+            self.expired_pending,
+            self.honoured,
+            self.withdrawn,
+            self.already_in_mysql,
+            self.superseded,
+            self.no_units
         ));
         let lag = self
             .consumer_lag

@@ -21,8 +21,7 @@ local pending = 0
 for _, rid in ipairs(redis.call("ZRANGE", KEYS[2], 0, -1)) do
   local detail = redis.call("HGET", KEYS[3], rid)
   if detail then
-    local sep = string.find(detail, "|", 1, true)
-    pending = pending + tonumber(string.sub(detail, sep + 1))
+    pending = pending + tonumber(string.match(detail, "|(%d+)|"))
   end
 end
 local owed = 0

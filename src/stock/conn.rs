@@ -8,7 +8,8 @@ use anyhow::Context;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisFuture, Value};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{Cmd, FromRedisValue, Pipeline, RedisFuture, RedisResult, Value};
 
 use crate::config::RedisSettings;
 
@@ -63,6 +64,30 @@ impl RedisConn {
                 Ok(RedisConn::Single(conn))
             }
         }
+    }
+}
+
+impl RedisConn {
+    /// Sends a command that names no key (such as `WAIT`) to the node that holds
+    /// `key`: on a Cluster, the primary owning its slot; on one node, that node
+    /// over the same connection as the writes it is about.
+    pub async fn route_by_key<T: FromRedisValue>(
+        &mut self,
+        cmd: &Cmd,
+        key: &str,
+    ) -> RedisResult<T> {
+        let value = match self {
+            RedisConn::Single(c) => c.req_packed_command(cmd).await?,
+            RedisConn::Cluster(c) => {
+                let route = Route::with_key(key, SlotAddr::Master);
+                c.route_command(
+                    cmd.clone(),
+                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                )
+                .await?
+            }
+        };
+        Ok(redis::from_redis_value(value)?)
     }
 }
 

@@ -26,6 +26,7 @@ pub struct Keys {
     pub res: String,
     pub refunded: String,
     pub state: String,
+    pub epoch: String,
 }
 
 impl Keys {
@@ -38,6 +39,7 @@ impl Keys {
             res: format!("{base}:res"),
             refunded: format!("{base}:refunded"),
             state: format!("{base}:state"),
+            epoch: format!("{base}:epoch"),
         }
     }
 }
@@ -77,6 +79,49 @@ pub struct Audit {
     pub repaired: bool,
 }
 
+/// Where a pending reservation stands (see `fate.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fate {
+    /// Reserved; its message may or may not be in the queue.
+    Pending,
+    /// Its message is in the queue and a `202` was (or is being) answered.
+    Acknowledged,
+    /// Being withdrawn: no `202` may be answered; MySQL decides.
+    Withdrawing,
+}
+
+impl Fate {
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "p" => Fate::Pending,
+            "a" => Fate::Acknowledged,
+            "w" => Fate::Withdrawing,
+            _ => return None,
+        })
+    }
+}
+
+/// What moving a reservation to a fate did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FateChange {
+    /// Done, or it was in that fate already.
+    Done,
+    /// It is in the other fate already (acknowledged vs withdrawing).
+    Refused,
+    /// No such pending reservation: decided already, or Redis lost it.
+    Unknown,
+}
+
+/// A reservation pending in Redis: not yet confirmed by MySQL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingReservation {
+    pub reservation_id: String,
+    pub user_id: String,
+    pub units: u32,
+    pub fate: Fate,
+}
+
 /// Which refund: see `refund.lua`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RefundMode {
@@ -106,6 +151,29 @@ pub struct StockSnapshot {
     pub buyers: u64,
 }
 
+/// A reservation's details: "user|units|fate".
+fn parse_detail(d: &str) -> Option<(String, u32, Fate)> {
+    let mut parts = d.rsplitn(3, '|');
+    let fate = Fate::parse(parts.next()?)?;
+    let units = parts.next()?.parse::<u32>().ok()?;
+    let user = parts.next()?;
+    Some((user.to_owned(), units, fate))
+}
+
+/// What a (re)build writes into Redis, read from MySQL in one snapshot.
+#[derive(Debug, Clone, Default)]
+pub struct Build {
+    /// Units MySQL still has for sale.
+    pub available: i64,
+    pub paused: bool,
+    /// The build's number (MySQL's `redis_epoch`).
+    pub epoch: u32,
+    /// (user id, reservation id) of every user whose purchase right is spent.
+    pub buyers: Vec<(String, String)>,
+    /// Reservations of failed and cancelled orders: their units are in `available`.
+    pub returned: Vec<String>,
+}
+
 /// A Lua script: its SHA for EVALSHA, and its text for the fallback.
 #[derive(Clone)]
 struct Lua {
@@ -129,6 +197,9 @@ pub struct StockStore {
     refund: Lua,
     preload: Lua,
     audit: Lua,
+    fate: Lua,
+    confirm: Lua,
+    lower: Lua,
 }
 
 impl StockStore {
@@ -139,6 +210,9 @@ impl StockStore {
             refund: Lua::new(include_str!("refund.lua")),
             preload: Lua::new(include_str!("preload.lua")),
             audit: Lua::new(include_str!("audit.lua")),
+            fate: Lua::new(include_str!("fate.lua")),
+            confirm: Lua::new(include_str!("confirm.lua")),
+            lower: Lua::new(include_str!("lower.lua")),
         }
     }
 
@@ -248,46 +322,119 @@ impl StockStore {
         })
     }
 
-    /// Clears the pending marks of reservations MySQL now holds, so the reconciler
-    /// sees only reservations that truly never arrived.
-    pub async fn confirm(&self, activity_id: &str, reservation_ids: &[String]) -> RedisResult<()> {
-        if reservation_ids.is_empty() {
-            return Ok(());
+    /// Clears the pending marks of orders MySQL now holds (reservation id, user id,
+    /// units), so the reconciler sees only reservations still undecided, and adopts
+    /// the orders this Redis state does not know (see `confirm.lua`). Returns how
+    /// many were adopted: more than 0 means Redis had lost reservations.
+    pub async fn confirm(
+        &self,
+        activity_id: &str,
+        orders: &[(String, String, u32)],
+    ) -> RedisResult<u64> {
+        if orders.is_empty() {
+            return Ok(0);
         }
         let k = Keys::new(activity_id);
-        let mut conn = self.conn.clone();
-        let _: () = redis::pipe()
-            .zrem(&k.pending, reservation_ids)
-            .ignore()
-            .hdel(&k.res, reservation_ids)
-            .ignore()
-            .query_async(&mut conn)
-            .await?;
-        Ok(())
+        let mut args = Vec::with_capacity(orders.len() * 3);
+        for (reservation, user, units) in orders {
+            args.extend([arg(reservation), arg(user), arg(*units)]);
+        }
+        self.run(
+            &self.confirm,
+            &[&k.stock, &k.buyers, &k.pending, &k.res],
+            &args,
+        )
+        .await
     }
 
-    /// Builds the activity's Redis state with `available` units and the given
-    /// buyers (user id, reservation id). Returns whether it was built (`Missing`
-    /// leaves a loaded activity alone).
+    /// Moves a pending reservation to `Acknowledged` (`ack = true`: a `202` is about
+    /// to be answered) or `Withdrawing`; exactly one of the two can ever succeed.
+    pub async fn set_fate(
+        &self,
+        activity_id: &str,
+        reservation_id: &str,
+        ack: bool,
+    ) -> RedisResult<FateChange> {
+        let k = Keys::new(activity_id);
+        let n: i64 = self
+            .run(
+                &self.fate,
+                &[&k.res],
+                &[
+                    arg(reservation_id),
+                    arg(if ack { "ack" } else { "withdraw" }),
+                ],
+            )
+            .await?;
+        Ok(match n {
+            1 => FateChange::Done,
+            0 => FateChange::Refused,
+            _ => FateChange::Unknown,
+        })
+    }
+
+    /// MySQL refused the reservation for lack of units: drops it and lowers the
+    /// stock to what MySQL still has (`available`), never raising it. Returns the
+    /// units the stock was lowered by (`None`: done before).
+    pub async fn lower(
+        &self,
+        activity_id: &str,
+        reservation_id: &str,
+        user_id: &str,
+        available: i64,
+    ) -> RedisResult<Option<i64>> {
+        let k = Keys::new(activity_id);
+        let n: i64 = self
+            .run(
+                &self.lower,
+                &[&k.stock, &k.buyers, &k.pending, &k.res, &k.refunded],
+                &[arg(reservation_id), arg(user_id), arg(available)],
+            )
+            .await?;
+        Ok((n >= 0).then_some(n))
+    }
+
+    /// Waits until `replicas` replicas hold every write this connection made (the
+    /// reservation just taken), at most `timeout`. Returns how many acknowledged.
+    /// On a Cluster the command goes to the primary that owns the activity's slot.
+    pub async fn wait_replicas(
+        &self,
+        activity_id: &str,
+        replicas: u32,
+        timeout: std::time::Duration,
+    ) -> RedisResult<u32> {
+        let k = Keys::new(activity_id);
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(replicas)
+            .arg(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
+        let mut conn = self.conn.clone();
+        conn.route_by_key(&cmd, &k.stock).await
+    }
+
+    /// Builds the activity's Redis state from a MySQL snapshot (see `preload.lua`).
+    /// Returns whether it was built (`Missing` leaves a loaded activity alone).
     pub async fn preload(
         &self,
         activity_id: &str,
-        available: i64,
-        paused: bool,
-        buyers: &[(String, String)],
+        build: &Build,
         mode: PreloadMode,
     ) -> RedisResult<bool> {
         let k = Keys::new(activity_id);
         let mut args = vec![
-            arg(available),
-            arg(if paused { "paused" } else { "open" }),
+            arg(build.available),
+            arg(if build.paused { "paused" } else { "open" }),
             arg(match mode {
                 PreloadMode::Force => "force",
                 PreloadMode::Missing => "missing",
             }),
+            arg(build.epoch),
+            arg(build.buyers.len()),
         ];
-        for (user, reservation) in buyers {
+        for (user, reservation) in &build.buyers {
             args.push(arg(user));
+            args.push(arg(reservation));
+        }
+        for reservation in &build.returned {
             args.push(arg(reservation));
         }
         let built: i64 = self
@@ -300,6 +447,7 @@ impl StockStore {
                     &k.res,
                     &k.refunded,
                     &k.state,
+                    &k.epoch,
                 ],
                 &args,
             )
@@ -346,14 +494,14 @@ impl StockStore {
         })
     }
 
-    /// Pending reservations older than `before_ms`: (reservation id, user id,
-    /// units). Reservations whose details are gone are dropped from the set.
+    /// Pending reservations older than `before_ms`, oldest first. Reservations
+    /// whose details are gone are dropped from the set.
     pub async fn expired_pending(
         &self,
         activity_id: &str,
         before_ms: i64,
         limit: usize,
-    ) -> RedisResult<Vec<(String, String, u32)>> {
+    ) -> RedisResult<Vec<PendingReservation>> {
         let k = Keys::new(activity_id);
         let mut conn = self.conn.clone();
         let ids: Vec<String> = redis::cmd("ZRANGEBYSCORE")
@@ -376,12 +524,13 @@ impl StockStore {
         let mut out = Vec::with_capacity(ids.len());
         let mut junk = Vec::new();
         for (id, detail) in ids.into_iter().zip(details) {
-            let parsed = detail.as_deref().and_then(|d| {
-                let (user, units) = d.split_once('|')?;
-                Some((user.to_owned(), units.parse::<u32>().ok()?))
-            });
-            match parsed {
-                Some((user, units)) => out.push((id, user, units)),
+            match detail.as_deref().and_then(parse_detail) {
+                Some((user_id, units, fate)) => out.push(PendingReservation {
+                    reservation_id: id,
+                    user_id,
+                    units,
+                    fate,
+                }),
                 None => junk.push(id),
             }
         }
@@ -389,6 +538,23 @@ impl StockStore {
             let _: () = conn.zrem(&k.pending, &junk).await?;
         }
         Ok(out)
+    }
+
+    /// The oldest pending reservation's age in milliseconds at `now_ms`, and how
+    /// many are pending.
+    pub async fn pending_age(
+        &self,
+        activity_id: &str,
+        now_ms: i64,
+    ) -> RedisResult<(Option<i64>, u64)> {
+        let k = Keys::new(activity_id);
+        let mut conn = self.conn.clone();
+        let (oldest, count): (Vec<(String, i64)>, u64) = redis::pipe()
+            .zrange_withscores(&k.pending, 0, 0)
+            .zcard(&k.pending)
+            .query_async(&mut conn)
+            .await?;
+        Ok((oldest.first().map(|(_, at)| now_ms - at), count))
     }
 
     /// Sets the live open/paused switch, only if the activity is loaded.

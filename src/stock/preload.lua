@@ -1,12 +1,17 @@
 -- (Re)build an activity's Redis state from MySQL, as one atomic step.
 --
--- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded, KEYS[6] state
+-- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded,
+-- KEYS[6] state, KEYS[7] epoch
 -- ARGV[1] units still available in MySQL
 -- ARGV[2] state ("open" | "paused")
 -- ARGV[3] "force" to replace whatever is there, "missing" to build only when the
 --         activity is not loaded (its stock or state key is gone): a rebuild after
 --         a Redis loss can then never wipe reservations made since
--- ARGV[4..] pairs: user id, reservation id, for every user holding an order
+-- ARGV[4] the build's epoch (MySQL's count of builds)
+-- ARGV[5] n, the number of buyer pairs that follow
+-- ARGV[6 .. 5+2n] pairs: user id, reservation id, for every user holding an order
+-- ARGV[6+2n ..] reservation ids of failed and cancelled orders: MySQL's available
+--         count has their units already, so a late refund of one is a no-op
 --
 -- Returns 1 when built, 0 when "missing" found the activity loaded.
 -- Running it twice gives the same state.
@@ -14,9 +19,14 @@ if ARGV[3] == "missing" and redis.call("EXISTS", KEYS[1]) == 1 and redis.call("E
   return 0
 end
 redis.call("DEL", KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
-for i = 4, #ARGV, 2 do
+local n = tonumber(ARGV[5])
+for i = 6, 5 + 2 * n, 2 do
   redis.call("HSET", KEYS[2], ARGV[i], ARGV[i + 1])
+end
+for i = 6 + 2 * n, #ARGV do
+  redis.call("SADD", KEYS[5], ARGV[i])
 end
 redis.call("SET", KEYS[1], ARGV[1])
 redis.call("SET", KEYS[6], ARGV[2])
+redis.call("SET", KEYS[7], ARGV[4])
 return 1

@@ -3,9 +3,10 @@
 -- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded (set)
 -- ARGV[1] reservation id, ARGV[2] user id, ARGV[3] quantity
 -- ARGV[4] mode:
---   "undo"    the reservation never reached the queue (publish failed, or the
---             reserve answer was lost): only a reservation still pending is
---             returned, and the user's purchase right is given back
+--   "undo"    the reservation was withdrawn before it reached anyone (its publish
+--             failed, or MySQL recorded its withdrawal): only a reservation still
+--             pending and never acknowledged is returned, and the user's purchase
+--             right is given back
 --   "return"  the order failed or was cancelled: the units go back, the user's
 --             purchase right stays spent
 --
@@ -22,6 +23,11 @@ if not redis.call("GET", KEYS[1]) then
 end
 if ARGV[4] == "undo" then
   if not redis.call("ZSCORE", KEYS[3], ARGV[1]) then
+    return -1
+  end
+  -- An acknowledged reservation is a promise: it is never undone.
+  local detail = redis.call("HGET", KEYS[4], ARGV[1])
+  if detail and string.sub(detail, -2) == "|a" then
     return -1
   end
   if redis.call("HGET", KEYS[2], ARGV[2]) == ARGV[1] then

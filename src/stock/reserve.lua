@@ -3,7 +3,9 @@
 -- KEYS[1] stock     (string, integer)   units Redis may still hand out
 -- KEYS[2] buyers    (hash user -> reservation id)   purchase rights spent
 -- KEYS[3] pending   (zset reservation id, score = reserved-at ms)   not yet in MySQL
--- KEYS[4] res       (hash reservation id -> "user_id|quantity")   reservation details
+-- KEYS[4] res       (hash reservation id -> "user_id|quantity|fate")   reservation details;
+--                   fate: "p" published or not yet known, "a" acknowledged (a 202 was
+--                   answered: it must become an order), "w" being withdrawn (see fate.lua)
 -- KEYS[5] state     (string "open" | "paused")
 -- ARGV[1] user id, ARGV[2] quantity (>= 1), ARGV[3] new reservation id, ARGV[4] now (ms)
 --
@@ -35,5 +37,5 @@ end
 redis.call("DECRBY", KEYS[1], q)
 redis.call("HSET", KEYS[2], ARGV[1], ARGV[3])
 redis.call("ZADD", KEYS[3], ARGV[4], ARGV[3])
-redis.call("HSET", KEYS[4], ARGV[3], ARGV[1] .. "|" .. ARGV[2])
+redis.call("HSET", KEYS[4], ARGV[3], ARGV[1] .. "|" .. ARGV[2] .. "|p")
 return {1, ARGV[3]}

@@ -113,7 +113,16 @@ async fn preload_pause_resume_and_live_figures() {
     let body: Value = resp.json().await.expect("json");
     let id = body["id"].as_str().expect("id").to_owned();
 
-    // Open and not paused: a rebuild would forget reservations in flight.
+    // Not loaded yet: loaded whatever its window, even though it is open.
+    let resp = app
+        .admin_post(&format!("/admin/activities/{id}/preload"), None)
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body: Value = resp.json().await.expect("json");
+    assert_eq!(body, json!({"stock": 7, "buyers": 0}));
+    assert_eq!(app.redis_stock(&id).await, Some(7));
+
+    // Loaded, open and not paused: a rebuild would race reservations in flight.
     let resp = app
         .admin_post(&format!("/admin/activities/{id}/preload"), None)
         .await;

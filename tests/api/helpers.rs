@@ -3,13 +3,9 @@
 //! consumer group and activity ids, so tests run in parallel without sharing state.
 
 use std::collections::HashMap;
-use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
 use flashsale::config::Settings;
 use flashsale::queue::ReservationMessage;
 use flashsale::startup::{self, Application};
@@ -19,16 +15,15 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use reqwest::{Response, StatusCode};
 use secrecy::{ExposeSecret, SecretString};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 pub fn kafka_brokers() -> String {
     std::env::var("FLASHSALE_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
 }
 
-pub fn unique(prefix: &str) -> String {
-    format!("{prefix}{}", uuid::Uuid::new_v4().simple())
-}
+pub use testkit::relay::Relay;
+pub use testkit::{eventually, unique};
 
 /// Settings for one isolated test: a fresh database, topic and group, port 0, and
 /// rate limits off (the rate-limit tests turn them on).
@@ -108,10 +103,7 @@ pub async fn spawn_app_with(customise: impl FnOnce(&mut Settings)) -> TestApp {
     }
 }
 
-pub struct Sale {
-    pub id: String,
-    pub sku: String,
-}
+pub use testkit::sale::Sale;
 
 impl TestApp {
     pub fn url(&self, path: &str) -> String {
@@ -152,7 +144,7 @@ impl TestApp {
     }
 
     /// An activity open now with `stock` units, loaded into Redis and selling:
-    /// created, paused, preloaded, resumed — the operator's sequence.
+    /// created, then preloaded (an unloaded sale is loaded whatever its window).
     pub async fn open_sale(&self, stock: u32, per_user_limit: u32) -> Sale {
         self.open_sale_with(stock, per_user_limit, 900).await
     }
@@ -164,28 +156,14 @@ impl TestApp {
         per_user_limit: u32,
         payment_timeout_secs: u32,
     ) -> Sale {
-        let sku = unique("sku-");
-        let now = Utc::now();
-        let resp = self
-            .create_activity(json!({
-                "sku": sku,
-                "stock": stock,
-                "per_user_limit": per_user_limit,
-                "starts_at": now - chrono::Duration::seconds(5),
-                "ends_at": now + chrono::Duration::hours(1),
-                "payment_timeout_secs": payment_timeout_secs,
-            }))
-            .await;
-        assert_eq!(resp.status(), StatusCode::CREATED);
-        let body: Value = resp.json().await.expect("json");
-        let id = body["id"].as_str().expect("id").to_owned();
-        for step in ["pause", "preload", "resume"] {
-            let r = self
-                .admin_post(&format!("/admin/activities/{id}/{step}"), None)
-                .await;
-            assert_eq!(r.status(), StatusCode::OK, "{step} failed");
-        }
-        Sale { id, sku }
+        let spec = testkit::sale::SaleSpec {
+            stock,
+            per_user_limit,
+            payment_timeout_secs,
+        };
+        testkit::sale::open_sale(&self.client, &self.address, &self.admin_token(), &spec)
+            .await
+            .expect("a sale opens")
     }
 
     pub async fn reserve(&self, sku: &str, user: &str, body: Option<Value>) -> Response {
@@ -314,97 +292,25 @@ pub async fn topic_len(topic: &str) -> usize {
 /// A Kafka-protocol broker of the test's own, on a free port, with its data in a
 /// temporary folder: a test may kill it without disturbing the others.
 pub struct OwnBroker {
-    pub port: u16,
-    child: Child,
+    pub broker: testkit::process::Broker,
     _dir: tempfile::TempDir,
-}
-
-fn tansu_binary() -> PathBuf {
-    if let Some(path) = std::env::var_os("PATH") {
-        for dir in std::env::split_paths(&path) {
-            let candidate = dir.join("tansu");
-            if candidate.is_file() {
-                return candidate;
-            }
-        }
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    let candidate = home.join(".cargo/bin/tansu");
-    assert!(
-        candidate.is_file(),
-        "tansu is not installed: run scripts/services.sh"
-    );
-    candidate
 }
 
 impl OwnBroker {
     pub fn start() -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-            .port();
-        let url = format!("tcp://127.0.0.1:{port}");
-        let child = Command::new(tansu_binary())
-            .current_dir(dir.path())
-            .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
-                "--storage-engine",
-                "sqlite://tansu.db",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("tansu starts");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "own broker did not listen");
-            std::thread::sleep(Duration::from_millis(20));
-        }
         OwnBroker {
-            port,
-            child,
+            broker: testkit::process::Broker::start(dir.path()),
             _dir: dir,
         }
     }
 
     pub fn brokers(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        self.broker.brokers()
     }
 
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for OwnBroker {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// Polls `check` until it returns `Some`, or fails the test after `within`.
-/// For outcomes that arrive asynchronously (the consumer's orders): the test
-/// asserts on the final state, never on a guessed delay.
-pub async fn eventually<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        self.broker.kill();
     }
 }
 
@@ -427,78 +333,4 @@ pub async fn db_available(app: &TestApp, activity_id: &str) -> i32 {
         .expect("query")
         .expect("activity")
         .available
-}
-
-/// A TCP relay the test can cut: while down it drops every open connection and
-/// refuses new ones, as an unreachable database would look to a client.
-pub struct Relay {
-    pub port: u16,
-    up: Arc<std::sync::atomic::AtomicBool>,
-    refused: Arc<std::sync::atomic::AtomicUsize>,
-    cut: Arc<tokio::sync::Notify>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Relay {
-    pub async fn start(upstream: &str) -> Self {
-        use std::sync::atomic::Ordering;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
-        let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let cut = Arc::new(tokio::sync::Notify::new());
-        let upstream = upstream.to_owned();
-        let (up2, refused2, cut2) = (up.clone(), refused.clone(), cut.clone());
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
-                    continue;
-                };
-                if !up2.load(Ordering::SeqCst) {
-                    refused2.fetch_add(1, Ordering::SeqCst);
-                    drop(inbound);
-                    continue;
-                }
-                let upstream = upstream.clone();
-                let cut = cut2.clone();
-                tokio::spawn(async move {
-                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&upstream).await else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                        _ = cut.notified() => {}
-                    }
-                });
-            }
-        });
-        Relay {
-            port,
-            up,
-            refused,
-            cut,
-            task,
-        }
-    }
-
-    pub fn down(&self) {
-        self.up.store(false, std::sync::atomic::Ordering::SeqCst);
-        self.cut.notify_waiters();
-    }
-
-    pub fn up(&self) {
-        self.up.store(true, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    pub fn refused(&self) -> usize {
-        self.refused.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
 }

@@ -195,8 +195,9 @@ async fn redelivered_messages_are_no_ops() {
     app.stop().await;
 }
 
-/// A Redis that lost writes holds more stock than MySQL: the excess reservations
-/// end failed with their units returned, and MySQL never oversells.
+/// A Redis that lost writes holds more stock than MySQL: MySQL never oversells, the
+/// excess reservations end failed (an incident), and Redis is lowered to MySQL's
+/// count instead of being refunded (a refund would resell units MySQL lacks).
 #[tokio::test]
 async fn redis_ahead_of_mysql_fails_the_excess() {
     let app = spawn_app_with(with_workers).await;
@@ -217,12 +218,18 @@ async fn redis_ahead_of_mysql_fails_the_excess() {
     assert_eq!(counts.get("pending_payment"), Some(&5), "{counts:?}");
     assert_eq!(counts.get("failed"), Some(&3), "{counts:?}");
     assert_eq!(db_available(&app, &sale.id).await, 0);
-    let stock = eventually(WAIT, "units of the failed returned", || async {
-        let s = app.redis_stock(&sale.id).await;
-        (s == Some(3)).then_some(s)
+    let snap = eventually(WAIT, "the failed to leave Redis's pending set", || async {
+        let s = app.state.stock.snapshot(&sale.id).await.ok()?;
+        (s.pending == 0).then_some(s)
     })
     .await;
-    assert_eq!(stock, Some(3));
+    assert_eq!(
+        snap.stock,
+        Some(0),
+        "lowered to MySQL's count, never refunded"
+    );
+    let resp = app.reserve(&sale.sku, "late-buyer", None).await;
+    assert_error(resp, StatusCode::CONFLICT, "sold_out").await;
     let failed: Vec<(String, bool)> = sqlx::query_as(
         "SELECT user_id, units_returned FROM orders WHERE activity_id = ? AND status = 'failed'",
     )

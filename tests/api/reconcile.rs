@@ -36,11 +36,12 @@ async fn drained(app: &TestApp) {
     .await;
 }
 
-/// The process died between Redis and Kafka: the reservation is pending with no
-/// message. Past the deadline the reconciler fails it and returns its unit; a
-/// message that turns up later finds it decided.
+/// The process died between Redis and Kafka: the reservation is pending, never
+/// acknowledged, with no message. Past the deadline the reconciler withdraws it
+/// (the unit and the user's right come back); a message that turns up later finds
+/// it decided and writes nothing.
 #[tokio::test]
-async fn a_reservation_that_never_reached_the_queue_is_failed_once() {
+async fn a_reservation_that_never_reached_the_queue_is_withdrawn_once() {
     let app = spawn_app_with(workers).await;
     let sale = app.open_sale(5, 1).await;
     let old = chrono::Utc::now() - chrono::Duration::seconds(30);
@@ -74,7 +75,8 @@ async fn a_reservation_that_never_reached_the_queue_is_failed_once() {
 
     let report = reconcile(&app, &sale.id).await;
     assert_eq!(report["expired_pending"], 1, "{report}");
-    assert_eq!(report["failed_by_reconciler"], 1, "{report}");
+    assert_eq!(report["withdrawn"], 1, "{report}");
+    assert_eq!(report["honoured"], 0, "{report}");
     assert_eq!(report["drift"], 0, "{report}");
     assert_eq!(
         app.redis_stock(&sale.id).await,
@@ -100,10 +102,67 @@ async fn a_reservation_that_never_reached_the_queue_is_failed_once() {
         .expect("publish");
     drained(&app).await;
     let counts = order_counts(&app, &sale.id).await;
-    assert_eq!(counts.get("failed"), Some(&1), "{counts:?}");
+    assert_eq!(counts.get("failed"), None, "{counts:?}");
+    assert_eq!(counts.get("pending_payment"), Some(&1), "{counts:?}");
+    let (withdrawn,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM withdrawals WHERE reservation_id = 'ghost-reservation'",
+    )
+    .fetch_one(&app.state.pool)
+    .await
+    .expect("withdrawals");
+    assert_eq!(withdrawn, 1);
+    assert_eq!(db_available(&app, &sale.id).await, 4);
+    assert_eq!(app.redis_stock(&sale.id).await, Some(4));
+    // Nothing was ever acknowledged to the ghost: its right is back.
+    assert_eq!(
+        app.reserve(&sale.sku, "ghost", None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    app.stop().await;
+}
+
+/// A `202` is a promise: with no consumer running, an acknowledged reservation past
+/// the deadline is honoured by the reconciler (the order is written from Redis's
+/// record), never failed; its message, when it is consumed, is a duplicate.
+#[tokio::test]
+async fn an_acknowledged_reservation_is_honoured_when_the_consumer_is_down() {
+    let app = spawn_app_with(|s| {
+        s.consumer.enabled = false;
+        s.reconcile.pending_deadline_secs = 1;
+    })
+    .await;
+    let sale = app.open_sale(5, 1).await;
+    let resp = app.reserve(&sale.sku, "patient", None).await;
+    assert_eq!(resp.status(), StatusCode::ACCEPTED);
+    let body: Value = resp.json().await.expect("json");
+    let reservation_id = body["reservation_id"].as_str().expect("id").to_owned();
+    let report = eventually(WAIT, "the reconciler to honour it", || async {
+        let r = reconcile(&app, &sale.id).await;
+        (r["honoured"] == 1).then_some(r)
+    })
+    .await;
+    assert_eq!(report["withdrawn"], 0, "{report}");
+    let counts = order_counts(&app, &sale.id).await;
     assert_eq!(counts.get("pending_payment"), Some(&1), "{counts:?}");
     assert_eq!(db_available(&app, &sale.id).await, 4);
     assert_eq!(app.redis_stock(&sale.id).await, Some(4));
+    let snap = app.state.stock.snapshot(&sale.id).await.expect("snapshot");
+    assert_eq!(snap.pending, 0);
+    // The message, consumed late, changes nothing.
+    let late = flashsale::orders::Incoming {
+        reservation_id,
+        activity_id: sale.id.clone(),
+        user_id: "patient".into(),
+        quantity: 1,
+    };
+    let decisions = app
+        .state
+        .orders
+        .apply_batch(std::slice::from_ref(&late))
+        .await
+        .expect("apply");
+    assert_eq!(decisions, vec![flashsale::orders::Decision::Duplicate]);
+    assert_eq!(db_available(&app, &sale.id).await, 4);
     app.stop().await;
 }
 

@@ -1,6 +1,6 @@
-//! Real processes on loopback for the fault suite: the `flashsale` binary, and a
-//! Redis, MariaDB or tansu broker of the scenario's own, each on a free port with
-//! its data in a temporary folder, so a scenario may kill them.
+//! Real processes on loopback: the `flashsale` binary, and a Redis (or a primary
+//! and its replica), MariaDB or tansu broker of a test's own, each on a free port
+//! with its data in a temporary folder, so a test may kill, pause or restart them.
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -93,6 +93,25 @@ impl Proc {
         }
     }
 
+    /// SIGSTOP: the process hangs, its sockets stay open (a stalled server).
+    pub fn pause(&self) {
+        self.signal("STOP");
+    }
+
+    /// SIGCONT: a paused process carries on where it stopped.
+    pub fn resume(&self) {
+        self.signal("CONT");
+    }
+
+    fn signal(&self, name: &str) {
+        if let Some(c) = &self.child {
+            let _ = Command::new("kill")
+                .arg(format!("-{name}"))
+                .arg(c.id().to_string())
+                .status();
+        }
+    }
+
     /// SIGTERM and wait: a graceful stop.
     pub fn terminate(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -132,14 +151,29 @@ pub struct Redis {
     pub port: u16,
     proc: Option<Proc>,
     dir: PathBuf,
+    /// The primary's port, for a replica.
+    replica_of: Option<u16>,
 }
 
 impl Redis {
     pub fn start(dir: &Path) -> Self {
+        Self::start_in(dir, None)
+    }
+
+    /// A replica of the Redis on `primary` (its own folder and port).
+    pub fn start_replica(dir: &Path, primary: u16) -> Self {
+        Self::start_in(dir, Some(primary))
+    }
+
+    fn start_in(dir: &Path, replica_of: Option<u16>) -> Self {
+        let port = free_port();
+        let dir = dir.join(format!("redis-{port}"));
+        std::fs::create_dir_all(&dir).expect("redis dir");
         let mut r = Redis {
-            port: free_port(),
+            port,
             proc: None,
-            dir: dir.to_owned(),
+            dir,
+            replica_of,
         };
         r.restart_empty();
         r
@@ -157,6 +191,9 @@ impl Redis {
             "--appendonly",
             "no",
         ]);
+        if let Some(primary) = self.replica_of {
+            cmd.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
+        }
         cmd.current_dir(&self.dir);
         self.proc = Some(Proc::spawn("redis", cmd, self.dir.join("redis.log")));
         wait_for_port(self.port, Duration::from_secs(10), "redis");
@@ -170,6 +207,51 @@ impl Redis {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// SIGSTOP / SIGCONT: a replica that falls behind, a primary that hangs.
+    pub fn pause(&self) {
+        if let Some(p) = &self.proc {
+            p.pause();
+        }
+    }
+
+    pub fn resume(&self) {
+        if let Some(p) = &self.proc {
+            p.resume();
+        }
+    }
+
+    /// Makes a replica a primary (`REPLICAOF NO ONE`), as a failover does.
+    pub async fn promote(&mut self) -> Result<(), String> {
+        self.replica_of = None;
+        let client = redis::Client::open(self.url()).map_err(|e| e.to_string())?;
+        let mut conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .map_err(|e| e.to_string())?;
+        redis::cmd("REPLICAOF")
+            .arg("NO")
+            .arg("ONE")
+            .query_async::<()>(&mut conn)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Whether a replica has finished its first sync with its primary.
+    pub async fn in_sync(&self) -> bool {
+        let Ok(client) = redis::Client::open(self.url()) else {
+            return false;
+        };
+        let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+            return false;
+        };
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_default();
+        info.contains("master_link_status:up")
     }
 }
 
@@ -274,18 +356,45 @@ impl Broker {
         }
     }
 
+    /// SIGSTOP: the broker stalls with its connections open; produce requests
+    /// sent meanwhile are written when it resumes.
+    pub fn pause(&self) {
+        if let Some(p) = &self.proc {
+            p.pause();
+        }
+    }
+
+    pub fn resume(&self) {
+        if let Some(p) = &self.proc {
+            p.resume();
+        }
+    }
+
     pub fn brokers(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
 }
 
-/// The configuration of one `flashsale` process, as environment variables.
+/// How to run one `flashsale` process: the binary, its config folder, and the
+/// settings as environment variables.
 #[derive(Clone, Debug)]
 pub struct Env {
+    pub bin: PathBuf,
+    pub config_dir: PathBuf,
     pub vars: Vec<(String, String)>,
 }
 
 impl Env {
+    /// `bin` is the `flashsale` binary (`env!("CARGO_BIN_EXE_flashsale")` in a
+    /// test), `config_dir` its `config/` folder; `FLASHSALE_ENV=test`.
+    pub fn new(bin: impl Into<PathBuf>, config_dir: impl Into<PathBuf>) -> Self {
+        Env {
+            bin: bin.into(),
+            config_dir: config_dir.into(),
+            vars: Vec::new(),
+        }
+    }
+
     pub fn set(&mut self, key: &str, value: impl ToString) {
         let key = key.to_owned();
         self.vars.retain(|(k, _)| *k != key);
@@ -293,13 +402,11 @@ impl Env {
     }
 }
 
+/// Runs `flashsale <args>` with `env`, its output in `log`.
 pub fn flashsale(args: &[&str], env: &Env, log: PathBuf, name: &str) -> Proc {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_flashsale"));
+    let mut cmd = Command::new(&env.bin);
     cmd.args(args)
-        .env(
-            "FLASHSALE_CONFIG_DIR",
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
-        )
+        .env("FLASHSALE_CONFIG_DIR", &env.config_dir)
         .env("FLASHSALE_ENV", "test")
         .env_remove("RUST_LOG");
     for (k, v) in &env.vars {
@@ -349,6 +456,7 @@ impl Service {
         }
     }
 
+    /// Graceful: SIGTERM, and wait for the process to finish its work.
     pub fn stop(&mut self) {
         if let Some(mut p) = self.proc.take() {
             p.terminate();

@@ -1,0 +1,298 @@
+//! DESIGN.md's invariants, checked once a sale is quiet, against MySQL, Redis and
+//! the answers the clients got. A checker never loosens an invariant to fit the
+//! code: what breaks one is a finding.
+//!
+//! 1. No oversell: units held by live orders never exceed the stock; neither
+//!    Redis's stock nor MySQL's available count is negative.
+//! 2. One per user: at most one live or cancelled order per user.
+//! 3. A `202` is kept: every `202` is an order (awaiting payment, paid, or
+//!    cancelled for non-payment), never `failed`, never missing; and no withdrawn
+//!    reservation is also an order.
+//! 4. Conservation: Redis stock + live units = stock = MySQL available + live
+//!    units (nothing is pending once quiet).
+//!
+//! And every answer is a documented one.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use flashsale::config::KafkaSettings;
+
+/// One client request and what it got (`status: None`: the connection failed).
+#[derive(Debug, Clone, Default)]
+pub struct Answer {
+    pub status: Option<u16>,
+    pub code: Option<String>,
+    pub reservation_id: Option<String>,
+}
+
+impl Answer {
+    /// Reads a reservation answer.
+    pub async fn from_response(result: Result<reqwest::Response, reqwest::Error>) -> Self {
+        match result {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                let body: serde_json::Value = resp.json().await.unwrap_or_default();
+                Answer {
+                    status: Some(status),
+                    code: body["code"].as_str().map(str::to_owned),
+                    reservation_id: body["reservation_id"].as_str().map(str::to_owned),
+                }
+            }
+            Err(_) => Answer::default(),
+        }
+    }
+
+    fn documented(&self) -> bool {
+        matches!(
+            (self.status, self.code.as_deref()),
+            (Some(202), _)
+                | (Some(409), Some("sold_out" | "already_reserved"))
+                | (Some(503), Some("unavailable" | "paused"))
+                | (None, _)
+        )
+    }
+}
+
+/// Where one sale lives.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    pub mysql_url: String,
+    pub redis_url: String,
+    pub activity_id: String,
+    /// The reservation topic and the consumers' group.
+    pub kafka: KafkaSettings,
+}
+
+/// What the checker counted.
+#[derive(Debug, Default, Clone)]
+pub struct Figures {
+    pub requests: usize,
+    pub accepted: usize,
+    pub refused_503: usize,
+    pub lost_connections: usize,
+    /// Awaiting payment or paid.
+    pub live_orders: i64,
+    pub paid: i64,
+    pub cancelled: i64,
+    /// Failed rows (MySQL refused: incidents).
+    pub failed: i64,
+    /// `202`s that became orders (live or cancelled).
+    pub accepted_ordered: usize,
+    /// `202`s that ended failed or with no order: broken promises.
+    pub accepted_broken: usize,
+    /// Reservations withdrawn before they reached anyone.
+    pub withdrawn: i64,
+    pub answers: BTreeMap<String, usize>,
+}
+
+impl Probe {
+    async fn pool(&self) -> Result<sqlx::MySqlPool, String> {
+        sqlx::MySqlPool::connect(&self.mysql_url)
+            .await
+            .map_err(|e| format!("MySQL: {e}"))
+    }
+
+    async fn redis(&self) -> Result<redis::aio::MultiplexedConnection, String> {
+        let client = redis::Client::open(self.redis_url.as_str()).map_err(|e| e.to_string())?;
+        client
+            .get_multiplexed_async_connection()
+            .await
+            .map_err(|e| format!("Redis: {e}"))
+    }
+
+    /// One look: `Ok(None)` when quiet, else what is still moving.
+    async fn unquiet(&self) -> Result<Option<String>, String> {
+        let lag = flashsale::queue::consumer_lag(&self.kafka)
+            .await
+            .map_err(|e| e.to_string())?;
+        let keys = flashsale::stock::Keys::new(&self.activity_id);
+        let mut conn = self.redis().await?;
+        let (pending, stock, state): (i64, Option<i64>, Option<String>) = redis::pipe()
+            .zcard(&keys.pending)
+            .get(&keys.stock)
+            .get(&keys.state)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        let pool = self.pool().await?;
+        let (owed, overdue): (i64, i64) = sqlx::query_as(
+            "SELECT \
+               CAST(COALESCE(SUM(units_returned = FALSE AND status IN ('failed', 'cancelled')), 0) AS SIGNED), \
+               CAST(COALESCE(SUM(status = 'pending_payment' AND expires_at < NOW(3)), 0) AS SIGNED) \
+             FROM orders WHERE activity_id = ?",
+        )
+        .bind(&self.activity_id)
+        .fetch_one(&pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        pool.close().await;
+        let quiet = lag == 0
+            && pending == 0
+            && stock.is_some()
+            && state.as_deref() == Some("open")
+            && owed == 0
+            && overdue == 0;
+        Ok((!quiet).then(|| {
+            format!("lag {lag}, pending {pending}, stock {stock:?}, state {state:?}, owed {owed}, overdue {overdue}")
+        }))
+    }
+
+    /// Waits until the sale is quiet: the consumers drained, nothing pending in
+    /// Redis, the activity loaded and open, every failed or cancelled order's
+    /// units back, no unpaid order past its deadline.
+    pub async fn wait_quiet(&self, limit: Duration) -> Result<(), String> {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            let last = match self.unquiet().await {
+                Ok(None) => return Ok(()),
+                Ok(Some(s)) => s,
+                Err(e) => e,
+            };
+            if std::time::Instant::now() > deadline {
+                return Err(format!("never quiet: {last}"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Checks the invariants; `Err` lists every one broken, with the figures.
+    pub async fn check(&self, answers: &[Answer]) -> Result<Figures, String> {
+        let mut f = Figures {
+            requests: answers.len(),
+            ..Figures::default()
+        };
+        let mut problems = Vec::new();
+        for a in answers {
+            let key = match (a.status, &a.code) {
+                (Some(s), Some(c)) => format!("{s} {c}"),
+                (Some(s), None) => s.to_string(),
+                (None, _) => "connection lost".into(),
+            };
+            *f.answers.entry(key).or_default() += 1;
+            match a.status {
+                Some(202) => f.accepted += 1,
+                Some(503) => f.refused_503 += 1,
+                None => f.lost_connections += 1,
+                _ => {}
+            }
+            if !a.documented() {
+                problems.push(format!(
+                    "an undocumented answer: {:?} {:?}",
+                    a.status, a.code
+                ));
+            }
+        }
+
+        let pool = self.pool().await?;
+        let (stock, available): (i64, i64) = sqlx::query_as(
+            "SELECT CAST(stock AS SIGNED), CAST(available AS SIGNED) FROM activities WHERE id = ?",
+        )
+        .bind(&self.activity_id)
+        .fetch_one(&pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        let rows: Vec<(String, String, String, i64)> = sqlx::query_as(
+            "SELECT reservation_id, user_id, CAST(status AS CHAR), CAST(quantity AS SIGNED) \
+             FROM orders WHERE activity_id = ?",
+        )
+        .bind(&self.activity_id)
+        .fetch_all(&pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        let (withdrawn, withdrawn_ordered): (i64, i64) = sqlx::query_as(
+            "SELECT CAST(COUNT(*) AS SIGNED), CAST(COALESCE(SUM(o.id IS NOT NULL), 0) AS SIGNED) \
+             FROM withdrawals w LEFT JOIN orders o ON o.reservation_id = w.reservation_id \
+             WHERE w.activity_id = ?",
+        )
+        .bind(&self.activity_id)
+        .fetch_one(&pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        pool.close().await;
+        f.withdrawn = withdrawn;
+
+        let mut live_units = 0;
+        let mut holders: HashMap<&str, usize> = HashMap::new();
+        let mut fate: HashMap<&str, &str> = HashMap::new();
+        for (reservation, user, status, units) in &rows {
+            match status.as_str() {
+                "pending_payment" | "paid" => {
+                    live_units += units;
+                    f.live_orders += 1;
+                    if status == "paid" {
+                        f.paid += 1;
+                    }
+                }
+                "cancelled" => f.cancelled += 1,
+                _ => f.failed += 1,
+            }
+            if status != "failed" {
+                *holders.entry(user).or_default() += 1;
+            }
+            fate.insert(reservation, status);
+        }
+
+        let keys = flashsale::stock::Keys::new(&self.activity_id);
+        let mut conn = self.redis().await?;
+        let redis_stock: Option<i64> = redis::cmd("GET")
+            .arg(&keys.stock)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        let redis_stock = redis_stock.ok_or("Redis does not hold the activity")?;
+
+        // 1. No oversell.
+        if live_units > stock {
+            problems.push(format!("oversell: {live_units} live units for {stock}"));
+        }
+        if redis_stock < 0 || available < 0 {
+            problems.push(format!(
+                "negative stock: redis {redis_stock}, mysql {available}"
+            ));
+        }
+        // 2. One per user.
+        let doubles: Vec<_> = holders.iter().filter(|(_, n)| **n > 1).collect();
+        if !doubles.is_empty() {
+            problems.push(format!("users with two orders: {doubles:?}"));
+        }
+        // 3. Every 202 kept; nothing withdrawn is an order.
+        let mut failed_after_202 = 0;
+        let mut missing = 0;
+        for a in answers.iter().filter(|a| a.status == Some(202)) {
+            match a.reservation_id.as_deref().and_then(|r| fate.get(r)) {
+                Some(&"failed") => failed_after_202 += 1,
+                Some(_) => f.accepted_ordered += 1,
+                None => missing += 1,
+            }
+        }
+        f.accepted_broken = failed_after_202 + missing;
+        if failed_after_202 > 0 {
+            problems.push(format!("{failed_after_202} answers of 202 ended failed"));
+        }
+        if missing > 0 {
+            problems.push(format!("{missing} answers of 202 are in no order"));
+        }
+        if withdrawn_ordered > 0 {
+            problems.push(format!(
+                "{withdrawn_ordered} withdrawn reservations are orders too"
+            ));
+        }
+        // 4. Conservation, in Redis and in MySQL.
+        if redis_stock + live_units != stock {
+            problems.push(format!(
+                "not conserved: redis {redis_stock} + live {live_units} != stock {stock}"
+            ));
+        }
+        if available + live_units != stock {
+            problems.push(format!(
+                "mysql not conserved: available {available} + live {live_units} != stock {stock}"
+            ));
+        }
+        if problems.is_empty() {
+            Ok(f)
+        } else {
+            Err(format!("{}\nfigures: {f:?}", problems.join("\n")))
+        }
+    }
+}

@@ -1,0 +1,59 @@
+//! The one test kit of flashsale, in the spirit of crates.io's test-support crates:
+//! every harness (the API tests, the fault suite, the benchmarks) starts processes,
+//! opens sales, waits and checks the invariants through it, so a fix to any of
+//! these lands once.
+//!
+//! - [`process`]: real processes on loopback (the `flashsale` binary, and a Redis,
+//!   replica, MariaDB or broker of a test's own), killable, pausable, restartable;
+//! - [`relay`]: a TCP relay a test can cut or point elsewhere (an outage, a
+//!   failover behind one address);
+//! - [`sale`]: creating and loading a sale through the admin API;
+//! - [`invariants`]: waiting until a sale is quiet, then checking DESIGN.md's four
+//!   invariants against MySQL, Redis and the answers the clients got.
+
+pub mod invariants;
+pub mod process;
+pub mod relay;
+pub mod sale;
+
+use std::time::{Duration, Instant};
+
+/// A name no other test uses: databases, topics, groups, SKUs.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}{}", uuid::Uuid::new_v4().simple())
+}
+
+/// Polls `check` every 50 ms until it gives a value; panics after `within`,
+/// naming `what` it waited for.
+pub async fn eventually<T, F, Fut>(within: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `eventually` for harnesses that report failures instead of panicking.
+pub async fn within<T, F, Fut>(limit: Duration, what: &str, mut check: F) -> Result<T, String>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = check().await {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("timed out after {limit:?} waiting for {what}"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,75 @@
+//! Setting up a sale as an operator would: through the admin API.
+
+use serde_json::{json, Value};
+
+/// An activity created and loaded into Redis.
+#[derive(Debug, Clone)]
+pub struct Sale {
+    pub id: String,
+    pub sku: String,
+}
+
+/// What to sell; `SaleSpec::new(stock)` for the usual: one per user, open now
+/// for an hour, 15 minutes to pay.
+#[derive(Debug, Clone)]
+pub struct SaleSpec {
+    pub stock: u32,
+    pub per_user_limit: u32,
+    pub payment_timeout_secs: u32,
+}
+
+impl SaleSpec {
+    pub fn new(stock: u32) -> Self {
+        SaleSpec {
+            stock,
+            per_user_limit: 1,
+            payment_timeout_secs: 900,
+        }
+    }
+}
+
+/// Creates a sale that opened a few seconds ago and preloads it into Redis, so it
+/// is selling when this returns.
+pub async fn open_sale(
+    client: &reqwest::Client,
+    base: &str,
+    admin_token: &str,
+    spec: &SaleSpec,
+) -> Result<Sale, String> {
+    let sku = crate::unique("sku-");
+    let now = chrono::Utc::now();
+    let resp = client
+        .post(format!("{base}/admin/activities"))
+        .bearer_auth(admin_token)
+        .json(&json!({
+            "sku": sku,
+            "stock": spec.stock,
+            "per_user_limit": spec.per_user_limit,
+            "starts_at": now - chrono::Duration::seconds(5),
+            "ends_at": now + chrono::Duration::hours(1),
+            "payment_timeout_secs": spec.payment_timeout_secs,
+        }))
+        .send()
+        .await
+        .map_err(|e| format!("create the sale: {e}"))?;
+    let status = resp.status();
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    if status != reqwest::StatusCode::CREATED {
+        return Err(format!("create the sale: {status} {body}"));
+    }
+    let id = body["id"]
+        .as_str()
+        .ok_or("the created sale has no id")?
+        .to_owned();
+    // Not loaded yet, so it is loaded whatever its window (API version 2).
+    let resp = client
+        .post(format!("{base}/admin/activities/{id}/preload"))
+        .bearer_auth(admin_token)
+        .send()
+        .await
+        .map_err(|e| format!("preload the sale: {e}"))?;
+    if !resp.status().is_success() {
+        return Err(format!("preload the sale: {}", resp.status()));
+    }
+    Ok(Sale { id, sku })
+}

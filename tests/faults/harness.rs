@@ -1,0 +1,540 @@
+//! One scenario's life: its own processes and names, a sale, the load, the fault
+//! (from the scenario's module), then quiet, then the invariant checker.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flashsale::auth::Auth;
+use flashsale::config::{KafkaSettings, Settings};
+use futures::future::BoxFuture;
+use secrecy::ExposeSecret;
+use testkit::invariants::{Answer, Figures, Probe};
+use testkit::process::{flashsale, Broker, Env, MariaDb, Proc, Redis, Service};
+use testkit::relay::Relay;
+use testkit::sale::{open_sale, SaleSpec};
+use testkit::unique;
+
+pub const USERS: usize = 600;
+pub const CLICKS: usize = 2;
+pub const STOCK: u32 = 100;
+const RATE_PER_SEC: u64 = 250;
+/// Short on purpose: the promise must hold for any deadline, a few seconds too.
+pub const PENDING_DEADLINE_SECS: u64 = 2;
+pub const PUBLISH_TIMEOUT_MS: u64 = 1500;
+
+/// One fault: its whole behaviour in one module.
+pub trait Fault: Send + Sync {
+    /// A short id for selecting it on the command line.
+    fn id(&self) -> &'static str;
+    /// What the table calls it.
+    fn name(&self) -> &'static str;
+    /// Before anything starts: which servers of its own, which settings.
+    fn prepare(&self, _setup: &mut Setup) {}
+    /// The fault itself, mid-sale (5 % of the requests sent).
+    fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>>;
+    /// What must hold beyond the invariants.
+    fn expect(&self, _run: &Run, _figures: &Figures) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Decided before any process starts.
+#[derive(Debug, Default)]
+pub struct Setup {
+    pub own_mariadb: bool,
+    pub own_broker: bool,
+    /// A replica of the scenario's Redis, both behind a relay.
+    pub redis_replica: bool,
+    pub services: usize,
+    /// The consumer runs as its own `flashsale consume`, not inside `serve`.
+    pub separate_consumer: bool,
+    /// A second consumer group on the same topic: every message processed twice.
+    pub twin_consumer: bool,
+    /// The services connect as a user of their own (privileges can be revoked).
+    pub own_mysql_user: bool,
+    pub payment_timeout_secs: u32,
+    pub env: Vec<(String, String)>,
+}
+
+impl Setup {
+    pub fn set(&mut self, key: &str, value: impl ToString) {
+        self.env.push((key.to_owned(), value.to_string()));
+    }
+}
+
+/// Everything live while the scenario runs.
+pub struct Run {
+    pub dir: tempfile::TempDir,
+    pub env: Env,
+    pub redis: Redis,
+    pub replica: Option<Redis>,
+    pub redis_relay: Option<Relay>,
+    pub mariadb: Option<MariaDb>,
+    pub broker: Option<Broker>,
+    pub services: Vec<Service>,
+    pub consumers: Vec<Proc>,
+    /// What the services connect with, and what the checker uses (root).
+    pub mysql_url: String,
+    pub root_mysql_url: String,
+    pub mysql_user: Option<String>,
+    pub db: String,
+    pub kafka: KafkaSettings,
+    pub activity_id: String,
+    pub sku: String,
+    pub admin: String,
+    pub client: reqwest::Client,
+    pub stop: Arc<AtomicBool>,
+    /// Work the fault runs beside the sale until it is over (its count is kept).
+    pub background: Vec<tokio::task::JoinHandle<usize>>,
+    pub background_counts: Vec<usize>,
+}
+
+impl Run {
+    pub fn redis_url(&self) -> String {
+        match &self.redis_relay {
+            Some(r) => format!("redis://127.0.0.1:{}", r.port),
+            None => self.redis.url(),
+        }
+    }
+
+    pub fn base(&self) -> String {
+        self.services[0].base()
+    }
+
+    /// Starts `flashsale consume` with the scenario's settings.
+    pub fn start_consumer(&mut self) {
+        let log = self.dir.path().join("consumer.log");
+        self.consumers
+            .push(flashsale(&["consume"], &self.env, log, "consumer"));
+    }
+
+    pub fn kill_consumers(&mut self) {
+        for c in self.consumers.iter_mut() {
+            c.kill();
+        }
+        self.consumers.clear();
+    }
+
+    pub async fn order_count(&self) -> i64 {
+        let Ok(pool) = sqlx::MySqlPool::connect(&self.root_mysql_url).await else {
+            return 0;
+        };
+        let n: (i64,) = sqlx::query_as("SELECT COUNT(*) FROM orders WHERE activity_id = ?")
+            .bind(&self.activity_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap_or((0,));
+        pool.close().await;
+        n.0
+    }
+
+    /// Waits until the consumers have written one more order than `n`.
+    pub async fn wait_orders_above(&self, n: i64) -> Result<(), String> {
+        testkit::within(Duration::from_secs(60), "one more order", || async {
+            (self.order_count().await > n).then_some(())
+        })
+        .await
+    }
+
+    /// Runs one statement as root against the scenario's database server.
+    pub async fn as_root(&self, sql: &str) -> Result<(), String> {
+        let pool = sqlx::MySqlPool::connect(&self.root_mysql_url)
+            .await
+            .map_err(|e| e.to_string())?;
+        let r = sqlx::raw_sql(sql)
+            .execute(&pool)
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("{sql}: {e}"));
+        pool.close().await;
+        r
+    }
+
+    fn probe(&self) -> Probe {
+        Probe {
+            mysql_url: self.root_mysql_url.clone(),
+            redis_url: self.redis_url(),
+            activity_id: self.activity_id.clone(),
+            kafka: self.kafka.clone(),
+        }
+    }
+}
+
+fn base_settings() -> Settings {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    Settings::load_from(&dir, "test").expect("config loads")
+}
+
+/// One row of the table.
+#[derive(Debug, Default)]
+pub struct Row {
+    pub figures: Figures,
+    pub reconcile_calls: usize,
+}
+
+pub async fn scenario(fault: &dyn Fault) -> Result<Row, String> {
+    let mut setup = Setup {
+        services: 1,
+        payment_timeout_secs: 900,
+        ..Setup::default()
+    };
+    fault.prepare(&mut setup);
+    let mut run = start(&setup).await?;
+    let result = sell(fault, &mut run).await;
+    if result.is_err() {
+        for s in &run.services {
+            eprintln!("--- {} log:\n{}", s.port, s.log_tail());
+        }
+        for c in &run.consumers {
+            eprintln!("--- {} log:\n{}", c.name, c.log_tail(30));
+        }
+        if std::env::var_os("FAULTS_KEEP").is_some() {
+            eprintln!("--- logs kept in {}", run.dir.path().display());
+        }
+    }
+    for s in run.services.iter_mut() {
+        s.stop();
+    }
+    run.kill_consumers();
+    let _ =
+        <sqlx::MySql as sqlx::migrate::MigrateDatabase>::drop_database(&run.root_mysql_url).await;
+    if std::env::var_os("FAULTS_KEEP").is_some() && result.is_err() {
+        let kept = std::mem::replace(
+            &mut run.dir,
+            tempfile::tempdir().map_err(|e| e.to_string())?,
+        );
+        std::mem::forget(kept);
+    }
+    result
+}
+
+/// Starts the scenario's servers and services and opens the sale.
+async fn start(setup: &Setup) -> Result<Run, String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let settings = base_settings();
+    let admin = settings.auth.admin_token.expose_secret().to_owned();
+
+    let redis = Redis::start(dir.path());
+    let replica = setup
+        .redis_replica
+        .then(|| Redis::start_replica(dir.path(), redis.port));
+    let redis_relay = match &replica {
+        Some(r) => {
+            testkit::within(Duration::from_secs(20), "the replica to sync", || async {
+                r.in_sync().await.then_some(())
+            })
+            .await?;
+            Some(Relay::start(&format!("127.0.0.1:{}", redis.port)).await)
+        }
+        None => None,
+    };
+    let db = unique("flashsale_f_");
+    let mariadb = setup.own_mariadb.then(|| MariaDb::start(dir.path()));
+    let root_mysql_url = match &mariadb {
+        Some(m) => m.url(&db),
+        None => format!("mysql://root@127.0.0.1:3306/{db}"),
+    };
+    let broker = setup.own_broker.then(|| Broker::start(dir.path()));
+    let brokers = broker.as_ref().map(Broker::brokers).unwrap_or_else(|| {
+        std::env::var("FLASHSALE_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+    });
+    let kafka = KafkaSettings {
+        brokers: brokers.clone(),
+        topic: unique("flash.f."),
+        group_id: unique("flashsale-f-"),
+        ..settings.kafka.clone()
+    };
+
+    let mut env = Env::new(
+        env!("CARGO_BIN_EXE_flashsale"),
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+    );
+    let redis_url = match &redis_relay {
+        Some(r) => format!("redis://127.0.0.1:{}", r.port),
+        None => redis.url(),
+    };
+    env.set("FLASHSALE__REDIS__URL", &redis_url);
+    env.set("FLASHSALE__MYSQL__URL", &root_mysql_url);
+    env.set("FLASHSALE__MYSQL__ACQUIRE_TIMEOUT_MS", 1000);
+    env.set("FLASHSALE__KAFKA__BROKERS", &brokers);
+    env.set("FLASHSALE__KAFKA__TOPIC", &kafka.topic);
+    env.set(
+        "FLASHSALE__KAFKA__DEAD_LETTER_TOPIC",
+        format!("{}.dlq", kafka.topic),
+    );
+    env.set("FLASHSALE__KAFKA__GROUP_ID", &kafka.group_id);
+    env.set("FLASHSALE__KAFKA__PUBLISH_TIMEOUT_MS", PUBLISH_TIMEOUT_MS);
+    env.set("FLASHSALE__RATE_LIMIT__PER_IP_PER_SEC", 0);
+    env.set("FLASHSALE__RATE_LIMIT__PER_USER_PER_SEC", 0);
+    env.set("FLASHSALE__CONSUMER__BATCH_WAIT_MS", 10);
+    env.set("FLASHSALE__ORDERS__SWEEP_INTERVAL_SECS", 1);
+    env.set("FLASHSALE__RECONCILE__INTERVAL_SECS", 1);
+    env.set(
+        "FLASHSALE__RECONCILE__PENDING_DEADLINE_SECS",
+        PENDING_DEADLINE_SECS,
+    );
+    env.set("FLASHSALE__ACTIVITIES__REFRESH_INTERVAL_MS", 200);
+    env.set("FLASHSALE__SERVER__SHUTDOWN_GRACE_SECS", 3);
+    if setup.separate_consumer {
+        env.set("FLASHSALE__CONSUMER__ENABLED", false);
+    }
+    for (k, v) in &setup.env {
+        env.set(k, v);
+    }
+    // FAULTS_LOG=debug (an EnvFilter) makes the processes' logs talkative.
+    if let Ok(filter) = std::env::var("FAULTS_LOG") {
+        env.set("FLASHSALE__LOG__FILTER", filter);
+    }
+
+    let mut migrate = flashsale(
+        &["migrate"],
+        &env,
+        dir.path().join("migrate.log"),
+        "migrate",
+    );
+    wait_exit(&mut migrate, Duration::from_secs(60))?;
+
+    let mut run = Run {
+        env,
+        redis,
+        replica,
+        redis_relay,
+        mariadb,
+        broker,
+        services: Vec::new(),
+        consumers: Vec::new(),
+        mysql_url: root_mysql_url.clone(),
+        root_mysql_url,
+        mysql_user: None,
+        db,
+        kafka,
+        activity_id: String::new(),
+        sku: String::new(),
+        admin,
+        client: reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .pool_max_idle_per_host(64)
+            .build()
+            .map_err(|e| e.to_string())?,
+        stop: Arc::new(AtomicBool::new(false)),
+        background: Vec::new(),
+        background_counts: Vec::new(),
+        dir,
+    };
+    if setup.own_mysql_user {
+        // A user of the scenario's own, with every privilege on its database only.
+        let user = unique("fs_").chars().take(30).collect::<String>();
+        run.as_root(&format!(
+            "CREATE USER '{user}'@'127.0.0.1' IDENTIFIED BY 'pw'; \
+             GRANT ALL PRIVILEGES ON `{}`.* TO '{user}'@'127.0.0.1'",
+            run.db
+        ))
+        .await?;
+        run.mysql_url = run
+            .root_mysql_url
+            .replacen("root@", &format!("{user}:pw@"), 1);
+        run.env.set("FLASHSALE__MYSQL__URL", &run.mysql_url);
+        run.mysql_user = Some(user);
+    }
+    for i in 0..setup.services.max(1) {
+        let name = format!("service-{}", (b'a' + i as u8) as char);
+        run.services
+            .push(Service::start(&name, &run.env, run.dir.path()));
+    }
+    if setup.separate_consumer {
+        run.start_consumer();
+    }
+    if setup.twin_consumer {
+        let mut twin = run.env.clone();
+        twin.set("FLASHSALE__KAFKA__GROUP_ID", unique("flashsale-twin-"));
+        run.consumers.push(flashsale(
+            &["consume"],
+            &twin,
+            run.dir.path().join("twin.log"),
+            "twin consumer",
+        ));
+    }
+    let spec = SaleSpec {
+        payment_timeout_secs: setup.payment_timeout_secs,
+        ..SaleSpec::new(STOCK)
+    };
+    let sale = open_sale(&run.client, &run.base(), &run.admin, &spec).await?;
+    run.activity_id = sale.id;
+    run.sku = sale.sku;
+    Ok(run)
+}
+
+/// The sale with its fault, then the checks.
+async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
+    let settings = base_settings();
+    let auth = Auth::new(
+        settings.auth.admin_token.clone(),
+        &settings.auth.user_token_secret,
+    )
+    .map_err(|e| e.to_string())?;
+    let targets: Arc<Vec<String>> = Arc::new(run.services.iter().map(Service::base).collect());
+    // Every instance learns of a new sale on its next cache refresh.
+    for base in targets.iter() {
+        let url = format!("{base}/flash/{}", run.sku);
+        testkit::within(
+            Duration::from_secs(10),
+            "every instance to see the sale",
+            || async {
+                run.client
+                    .get(&url)
+                    .send()
+                    .await
+                    .ok()
+                    .filter(|r| r.status().is_success())
+                    .map(|_| ())
+            },
+        )
+        .await?;
+    }
+    // One reservation through to MySQL first: every consumer has joined its group
+    // and is consuming before the sale and the fault begin.
+    let warmup = warm_up(run, &auth).await?;
+
+    let reconcile_calls = Arc::new(AtomicUsize::new(0));
+    let mut hammers = Vec::new();
+    for _ in 0..2 {
+        hammers.push(tokio::spawn(hammer_reconcile(
+            run.client.clone(),
+            targets.clone(),
+            run.admin.clone(),
+            run.activity_id.clone(),
+            run.stop.clone(),
+            reconcile_calls.clone(),
+        )));
+    }
+    let sent = Arc::new(AtomicUsize::new(0));
+    let load = tokio::spawn(load(
+        run.client.clone(),
+        targets.clone(),
+        run.sku.clone(),
+        auth,
+        sent.clone(),
+    ));
+    let total = USERS * CLICKS;
+    while sent.load(Ordering::SeqCst) < total / 20 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    fault.inject(run).await?;
+    // The CLI's reconciler too, mid-sale.
+    let mut cli = flashsale(
+        &["reconcile", "--activity", &run.activity_id],
+        &run.env,
+        run.dir.path().join("reconcile-cli.log"),
+        "reconcile cli",
+    );
+    wait_exit(&mut cli, Duration::from_secs(60))?;
+    reconcile_calls.fetch_add(1, Ordering::SeqCst);
+
+    let mut answers = load.await.map_err(|e| format!("load task: {e}"))?;
+    answers.push(warmup);
+    let probe = run.probe();
+    let quiet = probe.wait_quiet(Duration::from_secs(120)).await;
+    run.stop.store(true, Ordering::SeqCst);
+    for h in hammers {
+        let _ = h.await;
+    }
+    for b in std::mem::take(&mut run.background) {
+        run.background_counts.push(b.await.unwrap_or(0));
+    }
+    quiet?;
+    let figures = probe.check(&answers).await?;
+    if answers.len() < total + 1 {
+        return Err(format!("only {} answers recorded", answers.len()));
+    }
+    fault.expect(run, &figures)?;
+    Ok(Row {
+        figures,
+        reconcile_calls: reconcile_calls.load(Ordering::SeqCst),
+    })
+}
+
+async fn warm_up(run: &Run, auth: &Auth) -> Result<Answer, String> {
+    let token = auth.issue("warmup", 3600).map_err(|e| e.to_string())?;
+    let answer = Answer::from_response(
+        run.client
+            .post(format!("{}/flash/{}/reserve", run.base(), run.sku))
+            .bearer_auth(token)
+            .send()
+            .await,
+    )
+    .await;
+    if answer.status != Some(202) {
+        return Err(format!("the warm-up reservation answered {answer:?}"));
+    }
+    run.wait_orders_above(0).await?;
+    Ok(answer)
+}
+
+pub fn wait_exit(p: &mut Proc, within: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + within;
+    loop {
+        match p.try_wait() {
+            Some(true) => return Ok(()),
+            Some(false) => return Err(format!("{} failed:\n{}", p.name, p.log_tail(20))),
+            None if Instant::now() > deadline => return Err(format!("{} did not finish", p.name)),
+            None => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// 600 users × 2 clicks at a fixed rate, round-robin over the instances.
+async fn load(
+    client: reqwest::Client,
+    targets: Arc<Vec<String>>,
+    sku: String,
+    auth: Auth,
+    sent: Arc<AtomicUsize>,
+) -> Vec<Answer> {
+    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / RATE_PER_SEC));
+    let mut tasks = Vec::with_capacity(USERS * CLICKS);
+    for i in 0..USERS * CLICKS {
+        tick.tick().await;
+        let user = format!("u{}", i / CLICKS);
+        let token = auth.issue(&user, 3600).unwrap_or_default();
+        let url = format!("{}/flash/{sku}/reserve", targets[i % targets.len()]);
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            Answer::from_response(client.post(url).bearer_auth(token).send().await).await
+        }));
+        sent.fetch_add(1, Ordering::SeqCst);
+    }
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        if let Ok(a) = t.await {
+            out.push(a);
+        }
+    }
+    out
+}
+
+/// The reconciler, over and over, through every instance's admin endpoint.
+async fn hammer_reconcile(
+    client: reqwest::Client,
+    targets: Arc<Vec<String>>,
+    admin: String,
+    activity_id: String,
+    stop: Arc<AtomicBool>,
+    calls: Arc<AtomicUsize>,
+) {
+    let mut i = 0;
+    while !stop.load(Ordering::SeqCst) {
+        let url = format!(
+            "{}/admin/activities/{activity_id}/reconcile",
+            targets[i % targets.len()]
+        );
+        if let Ok(r) = client.post(url).bearer_auth(&admin).send().await {
+            if r.status().is_success() {
+                calls.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+}

@@ -1,0 +1,39 @@
+//! One module per fault, each with its whole behaviour.
+
+mod broker_killed;
+mod broker_stalled;
+mod consumer_down;
+mod consumer_killed;
+mod every_message_twice;
+mod mariadb_stopped;
+mod mysql_privileges_revoked;
+mod payments_race_sweeper;
+mod preload_during_sale;
+mod redis_failover;
+mod redis_restarted_empty;
+mod script_cache_flushed;
+mod service_killed;
+mod two_instances;
+
+use std::sync::Arc;
+
+use crate::harness::Fault;
+
+pub fn all() -> Vec<Arc<dyn Fault>> {
+    vec![
+        Arc::new(broker_killed::BrokerKilled),
+        Arc::new(mariadb_stopped::MariaDbStopped),
+        Arc::new(consumer_killed::ConsumerKilled),
+        Arc::new(service_killed::ServiceKilled),
+        Arc::new(redis_restarted_empty::RedisRestartedEmpty),
+        Arc::new(every_message_twice::EveryMessageTwice),
+        Arc::new(payments_race_sweeper::PaymentsRaceSweeper),
+        Arc::new(two_instances::TwoInstances),
+        Arc::new(script_cache_flushed::ScriptCacheFlushed),
+        Arc::new(broker_stalled::BrokerStalled),
+        Arc::new(consumer_down::ConsumerDown),
+        Arc::new(mysql_privileges_revoked::MysqlPrivilegesRevoked),
+        Arc::new(redis_failover::RedisFailover),
+        Arc::new(preload_during_sale::PreloadDuringSale),
+    ]
+}

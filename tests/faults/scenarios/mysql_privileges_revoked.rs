@@ -1,0 +1,37 @@
+//! MySQL answers an error the code has never seen: the services' own user loses
+//! its INSERT privilege mid-sale for a few seconds (ER_TABLEACCESS_DENIED_ERROR).
+//! Unknown errors are transient: retried with backoff, never refunded, never
+//! dead-lettered, and every order lands once the privilege is back.
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+use crate::harness::{Fault, Run, Setup};
+
+pub struct MysqlPrivilegesRevoked;
+
+impl Fault for MysqlPrivilegesRevoked {
+    fn id(&self) -> &'static str {
+        "mysql_privileges_revoked"
+    }
+    fn name(&self) -> &'static str {
+        "mysql errors never seen (INSERT revoked)"
+    }
+    fn prepare(&self, setup: &mut Setup) {
+        setup.own_mysql_user = true;
+    }
+    fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let user = run.mysql_user.clone().ok_or("no user of its own")?;
+            let grant = format!("`{}`.* TO '{user}'@'127.0.0.1'", run.db);
+            run.as_root(&format!(
+                "REVOKE INSERT ON {}",
+                grant.replace(" TO ", " FROM ")
+            ))
+            .await?;
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            run.as_root(&format!("GRANT INSERT ON {grant}")).await
+        })
+    }
+}

@@ -1,0 +1,48 @@
+//! The Redis primary fails over to a replica that missed writes: the replica is
+//! stalled (SIGSTOP) so it falls behind, the primary is SIGKILLed, the replica is
+//! resumed and promoted, and the address the services use (a relay, as a virtual
+//! IP would be) moves to it; a new replica joins it. With
+//! `redis.min_replicas_acked = 1`, no `202` was answered without the replica
+//! holding it; reservations the replica missed were never acknowledged, and any
+//! order one became anyway is adopted back into Redis by the consumer.
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+use testkit::process::Redis;
+
+use crate::harness::{Fault, Run, Setup};
+
+pub struct RedisFailover;
+
+impl Fault for RedisFailover {
+    fn id(&self) -> &'static str {
+        "redis_failover"
+    }
+    fn name(&self) -> &'static str {
+        "redis primary fails over to a lagging replica"
+    }
+    fn prepare(&self, setup: &mut Setup) {
+        setup.redis_replica = true;
+        setup.set("FLASHSALE__REDIS__MIN_REPLICAS_ACKED", 1);
+        setup.set("FLASHSALE__REDIS__REPLICA_ACK_TIMEOUT_MS", 200);
+    }
+    fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let replica = run.replica.as_mut().ok_or("no replica")?;
+            replica.pause();
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            run.redis.kill();
+            let mut promoted = run.replica.take().ok_or("no replica")?;
+            promoted.resume();
+            promoted.promote().await?;
+            let to = format!("127.0.0.1:{}", promoted.port);
+            run.redis_relay.as_ref().ok_or("no relay")?.retarget(&to);
+            // The new primary gets a replica of its own, so the sale goes on.
+            run.replica = Some(Redis::start_replica(run.dir.path(), promoted.port));
+            run.redis = promoted;
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,23 @@
+//! Redis restarts with nothing in memory mid-sale: reservations answer 503, the
+//! activity is paused, rebuilt from MySQL once drained, and resumed.
+
+use futures::future::BoxFuture;
+
+use crate::harness::{Fault, Run};
+
+pub struct RedisRestartedEmpty;
+
+impl Fault for RedisRestartedEmpty {
+    fn id(&self) -> &'static str {
+        "redis_restarted_empty"
+    }
+    fn name(&self) -> &'static str {
+        "redis restarted empty"
+    }
+    fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            run.redis.restart_empty();
+            Ok(())
+        })
+    }
+}

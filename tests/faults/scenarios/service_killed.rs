@@ -1,0 +1,27 @@
+//! The service is SIGKILLed mid-sale (reservations between Redis and the broker
+//! die with it) and restarted on the same port.
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+use crate::harness::{Fault, Run};
+
+pub struct ServiceKilled;
+
+impl Fault for ServiceKilled {
+    fn id(&self) -> &'static str {
+        "service_killed"
+    }
+    fn name(&self) -> &'static str {
+        "service SIGKILLed mid-sale, restarted"
+    }
+    fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            run.services[0].kill();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            run.services[0].start_again();
+            Ok(())
+        })
+    }
+}
