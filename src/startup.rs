@@ -19,7 +19,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::activity::{ActivityCache, ActivityRepo};
 use crate::auth::Auth;
-use crate::config::{MysqlSettings, Settings};
+use crate::config::{MysqlSettings, RedisSettings, Settings};
 use crate::http::{self, RateLimiters};
 use crate::orders::{OrderConsumer, OrderRepo, OrderWriter, Sweeper};
 use crate::periodic;
@@ -103,7 +103,11 @@ impl Application {
             .with_context(|| format!("failed to bind {}", settings.server.addr))?;
         let port = listener.local_addr().context("no local address")?.port();
         let limiters = RateLimiters::new(&settings.rate_limit);
-        let stock = StockStore::new(redis);
+        let stock = StockStore::new(redis).with_replica_barrier(
+            replica_barrier(&settings.redis).await?,
+            settings.redis.min_replicas_acked,
+            Duration::from_millis(settings.redis.replica_ack_timeout_ms),
+        );
         let orders = OrderRepo::new(pool.clone());
         let reconciler = Reconciler {
             activities: activities.clone(),
@@ -253,6 +257,20 @@ pub async fn run_consumer(settings: Settings, shutdown: CancellationToken) -> an
         .context("producer flush task failed")?;
     pool.close().await;
     Ok(())
+}
+
+/// Connections of their own for the replica barrier (see `StockStore::replicated`),
+/// when replicas are required: a few, so a lagging replica blocks only a few
+/// winners at a time and never the shared connection.
+async fn replica_barrier(settings: &RedisSettings) -> anyhow::Result<Vec<RedisConn>> {
+    const BARRIER_CONNECTIONS: usize = 8;
+    let mut conns = Vec::new();
+    if settings.min_replicas_acked > 0 {
+        for _ in 0..BARRIER_CONNECTIONS {
+            conns.push(RedisConn::connect(settings).await?);
+        }
+    }
+    Ok(conns)
 }
 
 /// `flashsale reconcile`: one pass over one activity, or over every current one.

@@ -1,7 +1,6 @@
 //! The user-facing sale endpoints: status, reserve, reservation status.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -215,6 +214,12 @@ async fn reserve_and_publish(
         user_id: user.id.to_string(),
         quantity,
     };
+    // Replicas first hold the reservation itself: until it is published,
+    // withdrawing it is a Redis matter alone, and the client holds nothing.
+    if let Err(err) = replicated(state, &activity.id, &reservation_id).await {
+        undo(state, &incoming).await;
+        return Err(err);
+    }
     let message = ReservationMessage {
         reservation_id: reservation_id.clone(),
         activity_id: activity.id.clone(),
@@ -264,24 +269,16 @@ async fn reserve_and_publish(
     }
 }
 
-/// With replicas configured (`redis.min_replicas_acked`), a `202` waits until they
-/// hold the acknowledged reservation, so a failover to one of them cannot forget
-/// it. If they do not answer in time the client gets `503`; the reservation stays
-/// acknowledged on the primary, and its message makes it an order (which the
-/// user's reservation status shows) unless the primary is lost, in which case the
-/// replica never knew it and the consumer adopts the order.
+/// With replicas configured (`redis.min_replicas_acked`), a reservation waits until
+/// they hold it twice: before its message is published (a failure then withdraws
+/// it, in Redis alone), and once acknowledged, before the `202` (so a failover to
+/// a replica cannot forget the promise). If they fail at that second point, which
+/// takes a replica failing within a millisecond, the client gets `503`; the
+/// reservation stays acknowledged on the primary and its message makes it an
+/// order, which the user's reservation status shows.
 async fn replicated(state: &AppState, activity_id: &str, reservation_id: &str) -> AppResult<()> {
-    let replicas = state.settings.redis.min_replicas_acked;
-    if replicas == 0 {
-        return Ok(());
-    }
-    let timeout = Duration::from_millis(state.settings.redis.replica_ack_timeout_ms);
-    match state
-        .stock
-        .wait_replicas(activity_id, replicas, timeout)
-        .await
-    {
-        Ok(n) if n >= replicas => Ok(()),
+    match state.stock.replicated(activity_id).await {
+        Ok(true) => Ok(()),
         other => {
             tracing::warn!(?other, %reservation_id, "replicas did not acknowledge the reservation in time");
             metrics::counter!("redis_replica_ack_failures_total").increment(1);

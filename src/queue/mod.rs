@@ -265,10 +265,27 @@ pub async fn ensure_topics(settings: &KafkaSettings, topics: &[&str]) -> anyhow:
 /// Messages on the reservation topic that the order consumers' group has not yet
 /// committed: 0 means every reservation published so far has reached MySQL.
 pub async fn consumer_lag(settings: &KafkaSettings) -> anyhow::Result<i64> {
+    let o = group_offsets(settings).await?;
+    Ok(o.lag)
+}
+
+/// Where the order consumers' group stands on the reservation topic, summed over
+/// its partitions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupOffsets {
+    /// Messages the group has committed (read from each partition's start when
+    /// it has committed nothing there).
+    pub committed: i64,
+    /// Messages published and not yet committed.
+    pub lag: i64,
+}
+
+/// Reads the group's committed offsets and the topic's end offsets.
+pub async fn group_offsets(settings: &KafkaSettings) -> anyhow::Result<GroupOffsets> {
     let brokers = settings.brokers.clone();
     let group = settings.group_id.clone();
     let topic = settings.topic.clone();
-    tokio::task::spawn_blocking(move || -> anyhow::Result<i64> {
+    tokio::task::spawn_blocking(move || -> anyhow::Result<GroupOffsets> {
         use rdkafka::consumer::{BaseConsumer, Consumer};
         use rdkafka::{Offset, TopicPartitionList};
         let timeout = Duration::from_secs(3);
@@ -296,6 +313,7 @@ pub async fn consumer_lag(settings: &KafkaSettings) -> anyhow::Result<i64> {
             .committed_offsets(tpl, timeout)
             .context("the broker did not return the group's offsets")?;
         let mut lag = 0;
+        let mut committed_total = 0;
         for p in partitions {
             let (low, high) = consumer
                 .fetch_watermarks(&topic, p, timeout)
@@ -305,8 +323,12 @@ pub async fn consumer_lag(settings: &KafkaSettings) -> anyhow::Result<i64> {
                 _ => low,
             };
             lag += (high - done.max(low)).max(0);
+            committed_total += done.max(low);
         }
-        Ok(lag)
+        Ok(GroupOffsets {
+            committed: committed_total,
+            lag,
+        })
     })
     .await
     .context("lag probe task failed")?

@@ -8,6 +8,9 @@
 
 mod conn;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use redis::{AsyncCommands, RedisResult, Script};
 
 pub use conn::RedisConn;
@@ -27,6 +30,7 @@ pub struct Keys {
     pub refunded: String,
     pub state: String,
     pub epoch: String,
+    pub barrier: String,
 }
 
 impl Keys {
@@ -40,6 +44,7 @@ impl Keys {
             refunded: format!("{base}:refunded"),
             state: format!("{base}:state"),
             epoch: format!("{base}:epoch"),
+            barrier: format!("{base}:barrier"),
         }
     }
 }
@@ -190,9 +195,23 @@ impl Lua {
     }
 }
 
+/// Connections of their own for `WAIT`, which blocks the connection it is sent on
+/// until the replicas catch up: on the shared connection, one lagging replica
+/// would stall every request behind it. A write on one of these connections (a
+/// counter bump) follows the reservation in the primary's one replication
+/// stream, so replicas that acknowledged it hold the reservation too.
+#[derive(Clone)]
+struct ReplicaBarrier {
+    conns: Arc<Vec<RedisConn>>,
+    next: Arc<AtomicUsize>,
+    replicas: u32,
+    timeout_ms: u64,
+}
+
 #[derive(Clone)]
 pub struct StockStore {
     conn: RedisConn,
+    barrier: Option<ReplicaBarrier>,
     reserve: Lua,
     refund: Lua,
     preload: Lua,
@@ -206,6 +225,7 @@ impl StockStore {
     pub fn new(conn: RedisConn) -> Self {
         StockStore {
             conn,
+            barrier: None,
             reserve: Lua::new(include_str!("reserve.lua")),
             refund: Lua::new(include_str!("refund.lua")),
             preload: Lua::new(include_str!("preload.lua")),
@@ -214,6 +234,25 @@ impl StockStore {
             confirm: Lua::new(include_str!("confirm.lua")),
             lower: Lua::new(include_str!("lower.lua")),
         }
+    }
+
+    /// Makes `replicated` wait for `replicas` replicas, at most `timeout`, over
+    /// `conns` (connections used for nothing else).
+    pub fn with_replica_barrier(
+        mut self,
+        conns: Vec<RedisConn>,
+        replicas: u32,
+        timeout: std::time::Duration,
+    ) -> Self {
+        if replicas > 0 && !conns.is_empty() {
+            self.barrier = Some(ReplicaBarrier {
+                conns: Arc::new(conns),
+                next: Arc::new(AtomicUsize::new(0)),
+                replicas,
+                timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            });
+        }
+        self
     }
 
     pub fn connection(&self) -> RedisConn {
@@ -394,21 +433,23 @@ impl StockStore {
         Ok((n >= 0).then_some(n))
     }
 
-    /// Waits until `replicas` replicas hold every write this connection made (the
-    /// reservation just taken), at most `timeout`. Returns how many acknowledged.
-    /// On a Cluster the command goes to the primary that owns the activity's slot.
-    pub async fn wait_replicas(
-        &self,
-        activity_id: &str,
-        replicas: u32,
-        timeout: std::time::Duration,
-    ) -> RedisResult<u32> {
+    /// Whether the configured replicas hold every write made to the activity's
+    /// primary so far (the caller's reservation among them): `true` at once when
+    /// no replicas are required. A bump of `…:barrier` on a barrier connection,
+    /// then `WAIT` on that same connection (on a Cluster, at the primary that owns
+    /// the activity's slot).
+    pub async fn replicated(&self, activity_id: &str) -> RedisResult<bool> {
+        let Some(b) = &self.barrier else {
+            return Ok(true);
+        };
         let k = Keys::new(activity_id);
-        let mut cmd = redis::cmd("WAIT");
-        cmd.arg(replicas)
-            .arg(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
-        let mut conn = self.conn.clone();
-        conn.route_by_key(&cmd, &k.stock).await
+        let i = b.next.fetch_add(1, Ordering::Relaxed) % b.conns.len();
+        let mut conn = b.conns[i].clone();
+        let _: i64 = conn.incr(&k.barrier, 1).await?;
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(b.replicas).arg(b.timeout_ms);
+        let acked: u32 = conn.route_by_key(&wait, &k.barrier).await?;
+        Ok(acked >= b.replicas)
     }
 
     /// Builds the activity's Redis state from a MySQL snapshot (see `preload.lua`).

@@ -190,6 +190,9 @@ impl Redis {
             "",
             "--appendonly",
             "no",
+            // A new replica syncs at once (the default waits 5 s for others).
+            "--repl-diskless-sync-delay",
+            "0",
         ]);
         if let Some(primary) = self.replica_of {
             cmd.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
@@ -447,7 +450,17 @@ impl Service {
             self.log.clone(),
             &self.name,
         ));
-        wait_for_port(self.port, Duration::from_secs(60), &self.name);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "{} did not listen on {}:\n{}",
+                self.name,
+                self.port,
+                self.log_head()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     pub fn kill(&mut self) {
@@ -465,6 +478,13 @@ impl Service {
 
     pub fn base(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The log's first lines: where a failed start says why.
+    pub fn log_head(&self) -> String {
+        std::fs::read_to_string(&self.log)
+            .map(|t| t.lines().take(15).collect::<Vec<_>>().join("\n"))
+            .unwrap_or_default()
     }
 
     pub fn log_tail(&self) -> String {

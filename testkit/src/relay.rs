@@ -11,23 +11,32 @@ pub struct Relay {
     refused: Arc<AtomicUsize>,
     cut: Arc<tokio::sync::Notify>,
     upstream: Arc<Mutex<String>>,
-    task: tokio::task::JoinHandle<()>,
+    stop: Arc<tokio::sync::Notify>,
 }
 
 impl Relay {
     /// A relay on a free port forwarding to `upstream` (`host:port`).
     pub async fn start(upstream: &str) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind a relay port");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a relay port");
+        listener
+            .set_nonblocking(true)
+            .expect("a non-blocking relay socket");
         let port = listener.local_addr().expect("relay address").port();
         let up = Arc::new(AtomicBool::new(true));
         let refused = Arc::new(AtomicUsize::new(0));
         let cut = Arc::new(tokio::sync::Notify::new());
+        let stop = Arc::new(tokio::sync::Notify::new());
         let upstream = Arc::new(Mutex::new(upstream.to_owned()));
-        let (up2, refused2, cut2, upstream2) =
-            (up.clone(), refused.clone(), cut.clone(), upstream.clone());
-        let task = tokio::spawn(async move {
+        let (up2, refused2, cut2, upstream2, stop2) = (
+            up.clone(),
+            refused.clone(),
+            cut.clone(),
+            upstream.clone(),
+            stop.clone(),
+        );
+        let accept = async move {
+            let listener =
+                tokio::net::TcpListener::from_std(listener).expect("a tokio relay socket");
             loop {
                 let Ok((mut inbound, _)) = listener.accept().await else {
                     continue;
@@ -52,6 +61,18 @@ impl Relay {
                     }
                 });
             }
+        };
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime for the relay");
+            rt.block_on(async move {
+                tokio::select! {
+                    _ = stop2.notified() => {}
+                    _ = accept => {}
+                }
+            });
         });
         Relay {
             port,
@@ -59,7 +80,7 @@ impl Relay {
             refused,
             cut,
             upstream,
-            task,
+            stop,
         }
     }
 
@@ -89,6 +110,7 @@ impl Relay {
 
 impl Drop for Relay {
     fn drop(&mut self) {
-        self.task.abort();
+        // A stored permit: the relay stops even if it is not waiting yet.
+        self.stop.notify_one();
     }
 }

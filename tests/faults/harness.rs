@@ -130,6 +130,25 @@ impl Run {
         n.0
     }
 
+    /// Messages the consumers' group has committed so far.
+    pub async fn committed(&self) -> i64 {
+        flashsale::queue::group_offsets(&self.kafka)
+            .await
+            .map(|o| o.committed)
+            .unwrap_or(0)
+    }
+
+    /// Waits until the consumers' group has committed more than `n` messages: a
+    /// consumer is consuming (orders alone could come from the reconciler).
+    pub async fn wait_committed_above(&self, n: i64) -> Result<(), String> {
+        testkit::within(
+            Duration::from_secs(60),
+            "the consumers to commit",
+            || async { (self.committed().await > n).then_some(()) },
+        )
+        .await
+    }
+
     /// Waits until the consumers have written one more order than `n`.
     pub async fn wait_orders_above(&self, n: i64) -> Result<(), String> {
         testkit::within(Duration::from_secs(60), "one more order", || async {
@@ -216,10 +235,10 @@ async fn start(setup: &Setup) -> Result<Run, String> {
     let settings = base_settings();
     let admin = settings.auth.admin_token.expose_secret().to_owned();
 
-    let redis = Redis::start(dir.path());
+    let redis = tokio::task::block_in_place(|| Redis::start(dir.path()));
     let replica = setup
         .redis_replica
-        .then(|| Redis::start_replica(dir.path(), redis.port));
+        .then(|| tokio::task::block_in_place(|| Redis::start_replica(dir.path(), redis.port)));
     let redis_relay = match &replica {
         Some(r) => {
             testkit::within(Duration::from_secs(20), "the replica to sync", || async {
@@ -231,12 +250,16 @@ async fn start(setup: &Setup) -> Result<Run, String> {
         None => None,
     };
     let db = unique("flashsale_f_");
-    let mariadb = setup.own_mariadb.then(|| MariaDb::start(dir.path()));
+    let mariadb = setup
+        .own_mariadb
+        .then(|| tokio::task::block_in_place(|| MariaDb::start(dir.path())));
     let root_mysql_url = match &mariadb {
         Some(m) => m.url(&db),
         None => format!("mysql://root@127.0.0.1:3306/{db}"),
     };
-    let broker = setup.own_broker.then(|| Broker::start(dir.path()));
+    let broker = setup
+        .own_broker
+        .then(|| tokio::task::block_in_place(|| Broker::start(dir.path())));
     let brokers = broker.as_ref().map(Broker::brokers).unwrap_or_else(|| {
         std::env::var("FLASHSALE_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
     });

@@ -23,7 +23,7 @@ impl Fault for BrokerKilled {
             let broker = run.broker.as_mut().ok_or("no broker of its own")?;
             broker.kill();
             tokio::time::sleep(Duration::from_millis(1500)).await;
-            broker.start_again();
+            tokio::task::block_in_place(|| broker.start_again());
             Ok(())
         })
     }

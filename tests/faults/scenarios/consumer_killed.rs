@@ -23,9 +23,10 @@ impl Fault for ConsumerKilled {
         Box::pin(async move {
             for round in 0..2 {
                 if round == 1 {
-                    // Kill the restarted consumer once it is consuming again.
-                    let before = run.order_count().await;
-                    run.wait_orders_above(before).await?;
+                    // Kill the restarted consumer once it is consuming again (it
+                    // has committed), not while it is joining its group.
+                    let before = run.committed().await;
+                    run.wait_committed_above(before).await?;
                 }
                 run.kill_consumers();
                 tokio::time::sleep(Duration::from_millis(500)).await;

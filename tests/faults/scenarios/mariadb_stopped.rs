@@ -26,7 +26,7 @@ impl Fault for MariaDbStopped {
                 .ok_or("no database server of its own")?;
             m.kill();
             tokio::time::sleep(Duration::from_millis(1500)).await;
-            m.start_again();
+            tokio::task::block_in_place(|| m.start_again());
             Ok(())
         })
     }

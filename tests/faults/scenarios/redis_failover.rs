@@ -40,9 +40,23 @@ impl Fault for RedisFailover {
             let to = format!("127.0.0.1:{}", promoted.port);
             run.redis_relay.as_ref().ok_or("no relay")?.retarget(&to);
             // The new primary gets a replica of its own, so the sale goes on.
-            run.replica = Some(Redis::start_replica(run.dir.path(), promoted.port));
+            let dir = run.dir.path().to_owned();
+            let port = promoted.port;
+            run.replica = Some(tokio::task::block_in_place(|| {
+                Redis::start_replica(&dir, port)
+            }));
             run.redis = promoted;
             Ok(())
         })
+    }
+    fn expect(&self, _run: &Run, f: &testkit::invariants::Figures) -> Result<(), String> {
+        // The sale goes on after the failover: every unit is sold.
+        if f.live_orders < i64::from(crate::harness::STOCK) {
+            return Err(format!(
+                "the sale stopped after the failover: {} units sold, answers {:?}",
+                f.live_orders, f.answers
+            ));
+        }
+        Ok(())
     }
 }

@@ -16,7 +16,7 @@ impl Fault for RedisRestartedEmpty {
     }
     fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
-            run.redis.restart_empty();
+            tokio::task::block_in_place(|| run.redis.restart_empty());
             Ok(())
         })
     }

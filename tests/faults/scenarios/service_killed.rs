@@ -20,7 +20,7 @@ impl Fault for ServiceKilled {
         Box::pin(async move {
             run.services[0].kill();
             tokio::time::sleep(Duration::from_millis(500)).await;
-            run.services[0].start_again();
+            tokio::task::block_in_place(|| run.services[0].start_again());
             Ok(())
         })
     }
