@@ -283,16 +283,18 @@ impl Reconciler {
             let acked: Vec<Incoming> = acked.into_iter().map(to_incoming).collect();
             if !acked.is_empty() {
                 let decisions = self.orders.apply(&acked, NewRows::Order).await?;
+                let mut honoured = 0;
                 for d in &decisions {
                     match d {
-                        Decision::Ordered => report.honoured += 1,
+                        Decision::Ordered => honoured += 1,
                         Decision::Superseded => report.superseded += 1,
                         Decision::Refused { .. } => report.no_units += 1,
                         _ => report.already_in_mysql += 1,
                     }
                 }
+                report.honoured += honoured;
                 metrics::counter!("reconcile_honoured_reservations_total")
-                    .increment(report.honoured as u64);
+                    .increment(honoured as u64);
                 writer.settle(&acked, &decisions).await;
             }
             let unacked: Vec<Incoming> = unacked.into_iter().map(to_incoming).collect();

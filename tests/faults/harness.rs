@@ -157,7 +157,24 @@ impl Run {
         .await
     }
 
-    /// Runs one statement as root against the scenario's database server.
+    /// A counter from the first service's `/metrics` (0 when absent).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let Ok(resp) = self
+            .client
+            .get(format!("{}/metrics", self.base()))
+            .send()
+            .await
+        else {
+            return 0.0;
+        };
+        let text = resp.text().await.unwrap_or_default();
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Runs statements as root against the scenario's database server.
     pub async fn as_root(&self, sql: &str) -> Result<(), String> {
         let pool = sqlx::MySqlPool::connect(&self.root_mysql_url)
             .await
@@ -347,12 +364,18 @@ async fn start(setup: &Setup) -> Result<Run, String> {
         dir,
     };
     if setup.own_mysql_user {
-        // A user of the scenario's own, with every privilege on its database only.
+        // A user of the scenario's own. INSERT is granted per table: a change to a
+        // table-level privilege applies to open connections at their next
+        // statement (a database-level one only at their next USE).
         let user = unique("fs_").chars().take(30).collect::<String>();
+        let db = &run.db;
         run.as_root(&format!(
             "CREATE USER '{user}'@'127.0.0.1' IDENTIFIED BY 'pw'; \
-             GRANT ALL PRIVILEGES ON `{}`.* TO '{user}'@'127.0.0.1'",
-            run.db
+             GRANT SELECT, UPDATE, DELETE ON `{db}`.* TO '{user}'@'127.0.0.1'; \
+             GRANT INSERT ON `{db}`.`orders` TO '{user}'@'127.0.0.1'; \
+             GRANT INSERT ON `{db}`.`withdrawals` TO '{user}'@'127.0.0.1'; \
+             GRANT INSERT ON `{db}`.`sku_locks` TO '{user}'@'127.0.0.1'; \
+             GRANT INSERT ON `{db}`.`activities` TO '{user}'@'127.0.0.1'"
         ))
         .await?;
         run.mysql_url = run

@@ -24,8 +24,18 @@ impl Fault for ConsumerDown {
         Box::pin(async move {
             run.kill_consumers();
             tokio::time::sleep(Duration::from_secs(PENDING_DEADLINE_SECS * 4)).await;
+            // Reservations outlived the deadline with no consumer: the reconciler
+            // must have honoured them, never failed them.
+            let honoured = run.metric("reconcile_honoured_reservations_total").await;
+            run.background_counts.push(honoured as usize);
             run.start_consumer();
             Ok(())
         })
+    }
+    fn expect(&self, run: &Run, _f: &testkit::invariants::Figures) -> Result<(), String> {
+        match run.background_counts.first() {
+            Some(n) if *n > 0 => Ok(()),
+            _ => Err("no reservation outlived the deadline: the fault did not bite".into()),
+        }
     }
 }

@@ -24,14 +24,23 @@ impl Fault for MysqlPrivilegesRevoked {
     fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
             let user = run.mysql_user.clone().ok_or("no user of its own")?;
-            let grant = format!("`{}`.* TO '{user}'@'127.0.0.1'", run.db);
-            run.as_root(&format!(
-                "REVOKE INSERT ON {}",
-                grant.replace(" TO ", " FROM ")
-            ))
-            .await?;
+            let on = format!("`{}`.`orders`", run.db);
+            let before = run.metric("consumer_transient_errors_total").await;
+            run.as_root(&format!("REVOKE INSERT ON {on} FROM '{user}'@'127.0.0.1'"))
+                .await?;
             tokio::time::sleep(Duration::from_secs(4)).await;
-            run.as_root(&format!("GRANT INSERT ON {grant}")).await
+            let during = run.metric("consumer_transient_errors_total").await;
+            run.as_root(&format!("GRANT INSERT ON {on} TO '{user}'@'127.0.0.1'"))
+                .await?;
+            run.background_counts
+                .push((during - before).max(0.0) as usize);
+            Ok(())
         })
+    }
+    fn expect(&self, run: &Run, _f: &testkit::invariants::Figures) -> Result<(), String> {
+        match run.background_counts.first() {
+            Some(n) if *n > 0 => Ok(()),
+            _ => Err("the revoked privilege caused no error: the fault did not bite".into()),
+        }
     }
 }
