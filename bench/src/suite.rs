@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use chrono::Utc;
-use flashsale::config::Settings;
+use flashsale::config::{KafkaSettings, Settings};
 use hyper::{Method, StatusCode};
 use secrecy::ExposeSecret;
 use serde::{Deserialize, Serialize};
@@ -38,6 +38,8 @@ use crate::machine::{self, CpuSampler, CpuWindow, Machine};
 use crate::server::{Announce, RateLimitMode, StrategyKind};
 use crate::side::{SideQuery, SideStats};
 use crate::with_database;
+use testkit::invariants::{Figures, Probe};
+use testkit::sale::SaleSpec;
 
 /// Every size and duration of a comparison; the defaults fit the whole suite in
 /// about four minutes on two cores (ten is the budget).
@@ -299,6 +301,8 @@ struct Suite {
     cpu: CpuSampler,
     side: SideQuery,
     sale_counter: u32,
+    /// For the test kit's sale set-up.
+    http: reqwest::Client,
 }
 
 impl Suite {
@@ -369,9 +373,9 @@ impl Suite {
         Ok((report, pid))
     }
 
-    /// Opens a sale on the server: `/bench/sales` for a–c and the no-op, the admin
-    /// API for the service (create → pause → preload → resume, the operator's
-    /// sequence). Returns the activity id for the service.
+    /// Opens a sale on the server: `/bench/sales` for a–c and the no-op, the test
+    /// kit's operator sequence for the service (create, preload). Returns the
+    /// activity id for the service.
     async fn open_sale(
         &self,
         server: &ServerChild,
@@ -390,40 +394,17 @@ impl Suite {
             .await?;
             return Ok(None);
         }
-        let token = self.admin_token();
-        let now = Utc::now();
-        let created = expect_json(
-            server.addr,
-            Method::POST,
-            "/admin/activities",
-            Some(&token),
-            Some(&json!({
-                "sku": sku,
-                "stock": stock,
-                "per_user_limit": 1,
-                "starts_at": now - chrono::Duration::seconds(5),
-                "ends_at": now + chrono::Duration::hours(2),
-                "payment_timeout_secs": 3600,
-            })),
-            StatusCode::CREATED,
-        )
-        .await?;
-        let id = created["id"]
-            .as_str()
-            .context("the created activity has no id")?
-            .to_owned();
-        for step in ["pause", "preload", "resume"] {
-            expect_json(
-                server.addr,
-                Method::POST,
-                &format!("/admin/activities/{id}/{step}"),
-                Some(&token),
-                None,
-                StatusCode::OK,
-            )
+        let spec = SaleSpec {
+            stock: u32::try_from(stock).context("stock too large for a sale")?,
+            per_user_limit: 1,
+            payment_timeout_secs: 3600,
+        };
+        let base = format!("http://{}", server.addr);
+        let sale = testkit::sale::open_sale(&self.http, &base, &self.admin_token(), &spec)
             .await
-            .with_context(|| format!("{step} of the sale failed"))?;
-        }
+            .map_err(|e| anyhow::anyhow!(e))
+            .context("the sale did not open")?;
+        let id = sale.id;
         Ok(Some(id))
     }
 
@@ -464,38 +445,42 @@ impl Suite {
         }
     }
 
+    /// The service's sale once quiet, checked by the test kit's invariant checker
+    /// (the same one the fault suite uses), plus: every `202` is an order.
     async fn inspect_service(
         &self,
         server: &ServerChild,
         activity: &str,
         load: &LoadReport,
     ) -> anyhow::Result<(Value, ServerCheck, Option<f64>)> {
-        let token = self.admin_token();
+        let announce = &server.announce;
+        let probe = Probe {
+            mysql_url: with_database(self.settings.mysql.url.expose_secret(), &announce.database),
+            redis_url: self.settings.redis.url.clone(),
+            activity_id: activity.to_owned(),
+            kafka: KafkaSettings {
+                topic: announce.topic.clone().unwrap_or_default(),
+                group_id: announce.group.clone().unwrap_or_default(),
+                ..self.settings.kafka.clone()
+            },
+        };
         let started = Instant::now();
-        let bound = Duration::from_secs_f64(self.opts.drain_timeout);
-        loop {
-            let state = expect_json(
-                server.addr,
-                Method::GET,
-                &format!("/admin/activities/{activity}"),
-                Some(&token),
-                None,
-                StatusCode::OK,
-            )
-            .await?;
-            let orders: i64 = state["orders_by_status"]
-                .as_object()
-                .map(|m| m.values().filter_map(Value::as_i64).sum())
-                .unwrap_or(0);
-            let pending = state["live"]["reservations_pending"].as_i64().unwrap_or(-1);
-            let drained = orders >= load.sale.accepted as i64 && pending == 0;
-            if drained || started.elapsed() >= bound {
-                let drain_s = drained.then(|| started.elapsed().as_secs_f64());
-                let check = check_service(&state, load, drained);
-                return Ok((state, check, drain_s));
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
+        let quiet = probe
+            .wait_quiet(Duration::from_secs_f64(self.opts.drain_timeout))
+            .await;
+        let drain_s = quiet.is_ok().then(|| started.elapsed().as_secs_f64());
+        let checked = probe.check(&[]).await;
+        let state = expect_json(
+            server.addr,
+            Method::GET,
+            &format!("/admin/activities/{activity}"),
+            Some(&self.admin_token()),
+            None,
+            StatusCode::OK,
+        )
+        .await?;
+        let check = check_service(quiet, checked, load);
+        Ok((state, check, drain_s))
     }
 
     async fn phase(
@@ -727,66 +712,36 @@ fn check_strategy(state: &Value, load: &LoadReport) -> ServerCheck {
     ServerCheck { ok, notes }
 }
 
-/// The verdict on the service from its admin view, once MySQL has every order.
-fn check_service(state: &Value, load: &LoadReport, drained: bool) -> ServerCheck {
+/// The verdict on the service: quiet in time, the invariants hold, and MySQL holds
+/// an order for every `202`.
+fn check_service(
+    quiet: Result<(), String>,
+    checked: Result<Figures, String>,
+    load: &LoadReport,
+) -> ServerCheck {
     let mut notes = Vec::new();
-    let mut ok = true;
-    let stock = as_i64(&state["stock"]).unwrap_or(0);
-    let orders: i64 = state["orders_by_status"]
-        .as_object()
-        .map(|m| m.values().filter_map(Value::as_i64).sum())
-        .unwrap_or(0);
-    let live_orders = as_i64(&state["orders_by_status"]["pending_payment"]).unwrap_or(0);
-    let redis_stock = as_i64(&state["live"]["redis_stock"]);
-    let buyers = as_i64(&state["live"]["buyers"]).unwrap_or(0);
-    let available = as_i64(&state["available"]).unwrap_or(0);
-    if !drained {
-        ok = false;
-        notes.push(format!(
-            "MySQL held {orders} orders of {} reservations when the wait ended",
-            load.sale.accepted
-        ));
+    if let Err(e) = quiet {
+        notes.push(format!("not quiet when the wait ended: {e}"));
     }
-    if orders != load.sale.accepted as i64 {
-        ok = false;
-        notes.push(format!(
-            "{orders} orders in MySQL for {} answers 202",
-            load.sale.accepted
-        ));
-    }
-    if live_orders > stock {
-        ok = false;
-        notes.push(format!("oversold: {live_orders} orders for {stock} units"));
-    }
-    if let Some(r) = redis_stock {
-        if r < 0 {
-            ok = false;
-            notes.push(format!("Redis stock below zero ({r})"));
+    match checked {
+        Ok(f) => {
+            let orders = f.live_orders + f.cancelled;
+            if orders != load.sale.accepted as i64 {
+                notes.push(format!(
+                    "{orders} orders in MySQL for {} answers 202",
+                    load.sale.accepted
+                ));
+            }
+            if notes.is_empty() {
+                notes.push(format!(
+                    "{orders} orders in MySQL = 202s; invariants hold (no oversell, one per user, stock conserved in Redis and MySQL)"
+                ));
+                return ServerCheck { ok: true, notes };
+            }
         }
-        if r + live_orders != stock {
-            ok = false;
-            notes.push(format!(
-                "Redis stock {r} + orders {live_orders} ≠ stock {stock}"
-            ));
-        }
+        Err(problems) => notes.push(problems),
     }
-    if available + live_orders != stock {
-        ok = false;
-        notes.push(format!(
-            "MySQL available {available} + orders {live_orders} ≠ stock {stock}"
-        ));
-    }
-    if buyers != live_orders {
-        ok = false;
-        notes.push(format!("{buyers} buyers in Redis for {live_orders} orders"));
-    }
-    if notes.is_empty() {
-        notes.push(format!(
-            "{live_orders} orders in MySQL = 202s; Redis stock {} + orders = {stock}; one per user",
-            redis_stock.unwrap_or(0)
-        ));
-    }
-    ServerCheck { ok, notes }
+    ServerCheck { ok: false, notes }
 }
 
 /// Drops benchmark databases an interrupted run left behind.
@@ -948,6 +903,7 @@ pub async fn run(opts: SuiteOptions, command: String) -> anyhow::Result<Summary>
         cpu,
         side,
         sale_counter: 0,
+        http: reqwest::Client::new(),
     };
     let mut strategies = Vec::new();
     for kind in opts.strategies.clone() {

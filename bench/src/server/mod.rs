@@ -130,6 +130,9 @@ pub struct Announce {
     pub port: u16,
     pub database: String,
     pub topic: Option<String>,
+    /// The order consumers' group, for the service.
+    #[serde(default)]
+    pub group: Option<String>,
 }
 
 /// The service's settings for one benchmark server: its own database, topic and
@@ -221,6 +224,7 @@ async fn serve_service(
     database: &str,
 ) -> anyhow::Result<()> {
     let topic = settings.kafka.topic.clone();
+    let group = settings.kafka.group_id.clone();
     let app = Application::build(settings)
         .await
         .context("the service did not build")?;
@@ -229,6 +233,7 @@ async fn serve_service(
         port: app.port(),
         database: database.to_owned(),
         topic: Some(topic),
+        group: Some(group),
     })?;
     let token = app.shutdown_token();
     let stdin_eof = opts.stop_on_stdin_eof;
@@ -295,6 +300,7 @@ async fn serve_strategy(
         port,
         database: database.to_owned(),
         topic: None,
+        group: None,
     })?;
     let stdin_eof = opts.stop_on_stdin_eof;
     axum::serve(
