@@ -12,9 +12,10 @@ WORKDIR /src
 # [[bench]]/[[test]]/[[example]] targets or a build.rs explicitly, stub or
 # copy those files here too: cargo checks target paths when it reads the manifest.)
 COPY Cargo.toml Cargo.lock ./
-# The benchmark crate is a workspace member: cargo reads its manifest and target
-# paths, though `cargo build` at the root never builds it.
+# The benchmark and test-kit crates are workspace members: cargo reads their
+# manifests and target paths, though `cargo build` at the root never builds them.
 COPY bench ./bench
+COPY testkit ./testkit
 RUN mkdir -p src benches tests/faults \
  && echo 'fn main() {}' > src/main.rs \
  && echo 'fn main() {}' > benches/consumer.rs \
