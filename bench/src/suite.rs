@@ -395,6 +395,7 @@ impl Suite {
             return Ok(None);
         }
         let spec = SaleSpec {
+            sku: Some(sku.to_owned()),
             stock: u32::try_from(stock).context("stock too large for a sale")?,
             per_user_limit: 1,
             payment_timeout_secs: 3600,

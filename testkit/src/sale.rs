@@ -13,6 +13,8 @@ pub struct Sale {
 /// for an hour, 15 minutes to pay.
 #[derive(Debug, Clone)]
 pub struct SaleSpec {
+    /// The SKU on sale; a unique one when `None`.
+    pub sku: Option<String>,
     pub stock: u32,
     pub per_user_limit: u32,
     pub payment_timeout_secs: u32,
@@ -21,6 +23,7 @@ pub struct SaleSpec {
 impl SaleSpec {
     pub fn new(stock: u32) -> Self {
         SaleSpec {
+            sku: None,
             stock,
             per_user_limit: 1,
             payment_timeout_secs: 900,
@@ -36,7 +39,7 @@ pub async fn open_sale(
     admin_token: &str,
     spec: &SaleSpec,
 ) -> Result<Sale, String> {
-    let sku = crate::unique("sku-");
+    let sku = spec.sku.clone().unwrap_or_else(|| crate::unique("sku-"));
     let now = chrono::Utc::now();
     let resp = client
         .post(format!("{base}/admin/activities"))

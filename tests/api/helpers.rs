@@ -157,6 +157,7 @@ impl TestApp {
         payment_timeout_secs: u32,
     ) -> Sale {
         let spec = testkit::sale::SaleSpec {
+            sku: None,
             stock,
             per_user_limit,
             payment_timeout_secs,
