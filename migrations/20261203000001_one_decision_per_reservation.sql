@@ -28,5 +28,6 @@ ALTER TABLE orders
 
 -- How many times the activity's Redis state was (re)built from MySQL. 0: never
 -- loaded, so no message for it can be in the queue and a first preload needs no
--- drained consumers.
+-- drained consumers. Activities that exist already may have been loaded: 1.
 ALTER TABLE activities ADD COLUMN redis_epoch INT UNSIGNED NOT NULL DEFAULT 0 AFTER auto_paused;
+UPDATE activities SET redis_epoch = 1;

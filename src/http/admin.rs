@@ -107,9 +107,9 @@ pub async fn preload(
             ));
         }
         Rebuild::AlreadyLoaded => {
-            return Err(AppError::Internal(anyhow::anyhow!(
-                "a forced preload reported the activity as already loaded"
-            )))
+            return Err(AppError::Conflict(
+                "the sale reopened while it was being preloaded: pause it and retry".into(),
+            ))
         }
     };
     tracing::info!(activity_id = %id, stock = build.available, buyers = build.buyers.len(), epoch = build.epoch, "activity preloaded");

@@ -312,8 +312,9 @@ async fn withdraw(state: &AppState, incoming: Incoming, reserved: Reserved) -> A
                 return Ok(reserved);
             }
             if decided.is_empty() {
-                // Acknowledged meanwhile: only this request acknowledges, so this
-                // cannot happen; a promise is kept all the same.
+                // Acknowledged already (its acknowledgement's answer was lost): a
+                // promise, kept once the replicas hold it.
+                replicated(state, &incoming.activity_id, &incoming.reservation_id).await?;
                 return Ok(reserved);
             }
         }

@@ -172,6 +172,7 @@ impl OrderWriter {
     pub async fn settle(&self, batch: &[Incoming], decisions: &[Decision]) -> BatchReport {
         let mut report = BatchReport::default();
         let mut confirmed: HashMap<&str, Vec<(String, String, u32)>> = HashMap::new();
+        let mut released: HashMap<&str, Vec<String>> = HashMap::new();
         let mut returned = Vec::new();
         for (m, d) in batch.iter().zip(decisions) {
             match d {
@@ -187,7 +188,13 @@ impl OrderWriter {
                         m.quantity,
                     ));
                 }
-                Decision::AlreadyFailed => report.duplicates += 1,
+                Decision::AlreadyFailed => {
+                    report.duplicates += 1;
+                    released
+                        .entry(m.activity_id.as_str())
+                        .or_default()
+                        .push(m.reservation_id.clone());
+                }
                 Decision::Refused { available } => {
                     report.refused += 1;
                     metrics::counter!("promises_broken_total").increment(1);
@@ -214,17 +221,31 @@ impl OrderWriter {
                 }
                 Decision::Withdrawn => {
                     report.withdrawn += 1;
-                    self.give_back(m, RefundMode::Undo, "withdrawn").await;
-                }
-                Decision::Failed { .. } | Decision::Superseded => {
-                    let superseded = *d == Decision::Superseded;
-                    if superseded {
-                        report.superseded += 1;
-                    } else {
-                        report.failed += 1;
+                    let outcome = self.give_back(m, RefundMode::Undo, "withdrawn").await;
+                    if outcome == Some(RefundOutcome::Acknowledged) {
+                        // Only a message MySQL refused as bad data gets here.
+                        metrics::counter!("promises_broken_total").increment(1);
+                        tracing::error!(
+                            incident = true,
+                            reservation_id = %m.reservation_id,
+                            "an acknowledged reservation was withdrawn (its order was refused as bad data)"
+                        );
+                        self.give_back(m, RefundMode::Return, "withdrawn").await;
                     }
+                }
+                Decision::Superseded => {
+                    report.superseded += 1;
+                    tracing::info!(reservation_id = %m.reservation_id, reason = reason_of(d), "reservation superseded; returning its units");
+                    self.give_back(m, RefundMode::Drop, "superseded").await;
+                }
+                Decision::Failed { .. } => {
+                    report.failed += 1;
                     tracing::info!(reservation_id = %m.reservation_id, reason = reason_of(d), "reservation failed; returning its units");
-                    if self.give_back(m, RefundMode::Return, "failed").await && !superseded {
+                    if self
+                        .give_back(m, RefundMode::Return, "failed")
+                        .await
+                        .is_some()
+                    {
                         returned.push(m.reservation_id.clone());
                     }
                 }
@@ -248,6 +269,11 @@ impl OrderWriter {
                 }
             }
         }
+        for (activity_id, ids) in released {
+            if let Err(err) = self.stock.release(activity_id, &ids).await {
+                tracing::warn!(error = %err, activity_id, "could not clear pending marks; the reconciler will");
+            }
+        }
         if let Err(err) = self.repo.mark_units_returned(&returned).await {
             tracing::warn!(error = %err, "could not mark returned units; the sweeper retries (the refund is idempotent)");
         }
@@ -259,8 +285,14 @@ impl OrderWriter {
         report
     }
 
-    /// Returns a reservation's units to Redis (idempotent); whether Redis answered.
-    async fn give_back(&self, m: &Incoming, mode: RefundMode, why: &'static str) -> bool {
+    /// Returns a reservation's units to Redis (idempotent); `None` if Redis did not
+    /// answer.
+    async fn give_back(
+        &self,
+        m: &Incoming,
+        mode: RefundMode,
+        why: &'static str,
+    ) -> Option<RefundOutcome> {
         match self
             .stock
             .refund(
@@ -277,11 +309,11 @@ impl OrderWriter {
                     metrics::counter!("units_returned_total", "why" => why)
                         .increment(u64::from(units));
                 }
-                true
+                Some(outcome)
             }
             Err(err) => {
                 tracing::warn!(error = %err, reservation_id = %m.reservation_id, "refund failed; retried later");
-                false
+                None
             }
         }
     }

@@ -53,6 +53,8 @@ pub struct Report {
     pub consumer_lag: Option<i64>,
     /// Whether Redis held the activity when the pass began.
     pub loaded: bool,
+    /// Whether Redis held an older build of it than MySQL's last one.
+    pub stale: bool,
     pub paused_automatically: bool,
     pub rebuilt: bool,
     pub resumed: bool,
@@ -133,17 +135,41 @@ impl Reconciler {
         };
         report.loaded = snapshot.stock.is_some() && snapshot.state.is_some();
         if !report.loaded {
-            self.recover_lost(activity, &mut report).await?;
+            self.recover(activity, PreloadMode::Missing, &mut report)
+                .await?;
             return Ok(report);
+        }
+        // A state older than MySQL's last build: a primary that went back in time
+        // (a failover to a replica that missed the build). Rebuilt like a loss.
+        if let Some(epoch) = snapshot.epoch {
+            let mysql_epoch = self
+                .activities
+                .get(&activity.id)
+                .await?
+                .map_or(0, |a| a.redis_epoch);
+            if epoch < mysql_epoch {
+                report.stale = true;
+                metrics::counter!("redis_stale_state_total").increment(1);
+                tracing::error!(incident = true, activity_id = %activity.id, epoch, mysql_epoch, "Redis holds an older build of the activity");
+                self.recover(activity, PreloadMode::Force, &mut report)
+                    .await?;
+                return Ok(report);
+            }
         }
         self.decide_expired(activity, &mut report).await?;
         self.audit(activity, &mut report).await?;
         Ok(report)
     }
 
-    /// Redis does not hold the activity: pause it, and rebuild it from MySQL once
-    /// every published reservation has reached MySQL.
-    async fn recover_lost(&self, activity: &Activity, report: &mut Report) -> anyhow::Result<()> {
+    /// Redis does not hold the activity (`Missing`), or holds an older build of it
+    /// (`Force`): pause it, and rebuild it from MySQL once every published
+    /// reservation has reached MySQL.
+    async fn recover(
+        &self,
+        activity: &Activity,
+        mode: PreloadMode,
+        report: &mut Report,
+    ) -> anyhow::Result<()> {
         if activity.window(Utc::now()) != Window::Open {
             // Not selling: nothing to protect; the operator preloads before the start.
             return Ok(());
@@ -155,10 +181,7 @@ impl Reconciler {
                 metrics::counter!("activity_auto_paused_total").increment(1);
             }
         }
-        match self
-            .rebuild(activity, PreloadMode::Missing, report.consumer_lag)
-            .await?
-        {
+        match self.rebuild(activity, mode, report.consumer_lag).await? {
             Rebuild::Waiting(why) => {
                 report.refused.push(format!("rebuild {why}"));
                 return Ok(());
@@ -221,6 +244,32 @@ impl Reconciler {
             }
         }
         if mode == PreloadMode::Force {
+            // No new reservation while the pending ones are decided and the state
+            // is replaced; `preload.lua` leaves alone a sale reopened meanwhile.
+            self.stock.set_paused(&activity.id, true).await?;
+        }
+        let built = self.replace_state(&fresh, mode).await;
+        if mode == PreloadMode::Force && !matches!(built, Ok(Rebuild::Built(_))) {
+            // Put the switch back as MySQL has it.
+            if let Err(err) = self.stock.set_paused(&activity.id, fresh.paused).await {
+                tracing::warn!(error = %err, activity_id = %activity.id, "could not restore the live switch");
+            }
+        }
+        let built = built?;
+        if let Rebuild::Built(build) = &built {
+            if !build.paused && fresh.auto_paused {
+                self.activities.auto_resume(&activity.id).await?;
+            }
+        }
+        Ok(built)
+    }
+
+    async fn replace_state(
+        &self,
+        activity: &Activity,
+        mode: PreloadMode,
+    ) -> anyhow::Result<Rebuild> {
+        if mode == PreloadMode::Force {
             let mut report = Report::default();
             // Everything pending up to now (and a little beyond, for clock skew).
             let until = Utc::now().timestamp_millis() + 60_000;
@@ -261,14 +310,20 @@ impl Reconciler {
             repo: self.orders.clone(),
             stock: self.stock.clone(),
         };
+        let mut oldest_seen: Option<String> = None;
         loop {
             let expired = self
                 .stock
                 .expired_pending(&activity.id, before_ms, EXPIRED_BATCH)
                 .await?;
-            if expired.is_empty() {
+            let Some(oldest) = expired.first().map(|p| p.reservation_id.clone()) else {
+                return Ok(());
+            };
+            if oldest_seen.as_ref() == Some(&oldest) {
+                // Settling made no progress (Redis refusing writes): next pass.
                 return Ok(());
             }
+            oldest_seen = Some(oldest);
             let full = expired.len() == EXPIRED_BATCH;
             report.expired_pending += expired.len();
             let (acked, unacked): (Vec<_>, Vec<_>) = expired

@@ -17,6 +17,10 @@ if not detail then
   return -1
 end
 local head, fate = string.match(detail, "^(.*)|(%a)$")
+if not fate then
+  -- Written before fates existed: pending.
+  head, fate = detail, "p"
+end
 local want = "w"
 if ARGV[2] == "ack" then
   want = "a"

@@ -29,7 +29,7 @@ local pending = 0
 for _, rid in ipairs(redis.call("ZRANGE", KEYS[3], 0, -1)) do
   local detail = redis.call("HGET", KEYS[4], rid)
   if detail then
-    pending = pending + tonumber(string.match(detail, "|(%d+)|"))
+    pending = pending + tonumber(string.match(detail, "|(%d+)"))
   end
 end
 local cap = math.max(tonumber(ARGV[3]) - pending, 0)

@@ -135,14 +135,21 @@ pub enum RefundMode {
     Undo,
     /// The order failed or was cancelled: return the units, keep the right spent.
     Return,
+    /// It lost to another order of the same user: return the units only if it is
+    /// still pending here, keep the right spent.
+    Drop,
 }
 
 /// What the refund script did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RefundOutcome {
-    Returned { units: u32 },
+    Returned {
+        units: u32,
+    },
     AlreadyRefunded,
     NothingToUndo,
+    /// `Undo` refused: the reservation was acknowledged (a `202` was answered).
+    Acknowledged,
     NotLoaded,
 }
 
@@ -154,15 +161,19 @@ pub struct StockSnapshot {
     pub state: Option<String>,
     pub pending: u64,
     pub buyers: u64,
+    /// Which build from MySQL this state is (`None`: built before epochs).
+    pub epoch: Option<u32>,
 }
 
 /// A reservation's details: "user|units|fate".
+/// Details written before fates existed ("user|units") read as pending.
 fn parse_detail(d: &str) -> Option<(String, u32, Fate)> {
-    let mut parts = d.rsplitn(3, '|');
-    let fate = Fate::parse(parts.next()?)?;
-    let units = parts.next()?.parse::<u32>().ok()?;
-    let user = parts.next()?;
-    Some((user.to_owned(), units, fate))
+    let (rest, fate) = match d.rsplit_once('|') {
+        Some((rest, f)) if f.parse::<u32>().is_err() => (rest, Fate::parse(f)?),
+        _ => (d, Fate::Pending),
+    };
+    let (user, units) = rest.split_once('|')?;
+    Some((user.to_owned(), units.parse::<u32>().ok()?, fate))
 }
 
 /// What a (re)build writes into Redis, read from MySQL in one snapshot.
@@ -171,7 +182,7 @@ pub struct Build {
     /// Units MySQL still has for sale.
     pub available: i64,
     pub paused: bool,
-    /// The build's number (MySQL's `redis_epoch`).
+    /// The build's number (MySQL's `redis_epoch`); Redis keeps it in `…:epoch`.
     pub epoch: u32,
     /// (user id, reservation id) of every user whose purchase right is spent.
     pub buyers: Vec<(String, String)>,
@@ -342,6 +353,7 @@ impl StockStore {
         let mode = match mode {
             RefundMode::Undo => "undo",
             RefundMode::Return => "return",
+            RefundMode::Drop => "drop",
         };
         let n: i64 = self
             .run(
@@ -353,6 +365,7 @@ impl StockStore {
         Ok(match n {
             0 => RefundOutcome::AlreadyRefunded,
             -1 => RefundOutcome::NothingToUndo,
+            -2 => RefundOutcome::Acknowledged,
             -3 => RefundOutcome::NotLoaded,
             // The script returns the quantity it was given, which is at least 1.
             units => RefundOutcome::Returned {
@@ -384,6 +397,25 @@ impl StockStore {
             &args,
         )
         .await
+    }
+
+    /// Drops pending marks without touching stock, buyers or refunds: for
+    /// reservations MySQL decided as failed already (the reconciler's drift repair
+    /// settles their units against MySQL's count).
+    pub async fn release(&self, activity_id: &str, reservation_ids: &[String]) -> RedisResult<()> {
+        if reservation_ids.is_empty() {
+            return Ok(());
+        }
+        let k = Keys::new(activity_id);
+        let mut conn = self.conn.clone();
+        let _: () = redis::pipe()
+            .zrem(&k.pending, reservation_ids)
+            .ignore()
+            .hdel(&k.res, reservation_ids)
+            .ignore()
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
     }
 
     /// Moves a pending reservation to `Acknowledged` (`ack = true`: a `202` is about
@@ -623,19 +655,26 @@ impl StockStore {
         let k = Keys::new(activity_id);
         let mut conn = self.conn.clone();
         // One slot, so one pipeline works on Cluster too.
-        let (stock, state, pending, buyers): (Option<i64>, Option<String>, u64, u64) =
-            redis::pipe()
-                .get(&k.stock)
-                .get(&k.state)
-                .zcard(&k.pending)
-                .hlen(&k.buyers)
-                .query_async(&mut conn)
-                .await?;
+        let (stock, state, pending, buyers, epoch): (
+            Option<i64>,
+            Option<String>,
+            u64,
+            u64,
+            Option<u32>,
+        ) = redis::pipe()
+            .get(&k.stock)
+            .get(&k.state)
+            .zcard(&k.pending)
+            .hlen(&k.buyers)
+            .get(&k.epoch)
+            .query_async(&mut conn)
+            .await?;
         Ok(StockSnapshot {
             stock,
             state,
             pending,
             buyers,
+            epoch,
         })
     }
 

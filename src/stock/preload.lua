@@ -4,18 +4,24 @@
 -- KEYS[6] state, KEYS[7] epoch
 -- ARGV[1] units still available in MySQL
 -- ARGV[2] state ("open" | "paused")
--- ARGV[3] "force" to replace whatever is there, "missing" to build only when the
---         activity is not loaded (its stock or state key is gone): a rebuild after
---         a Redis loss can then never wipe reservations made since
+-- ARGV[3] "force" to replace what is there unless it is selling (state "open":
+--         the caller pauses it first, so a sale that reopened meanwhile is left
+--         alone), "missing" to build only when the activity is not loaded (its
+--         stock or state key is gone): a rebuild after a Redis loss can then never
+--         wipe reservations made since
 -- ARGV[4] the build's epoch (MySQL's count of builds)
 -- ARGV[5] n, the number of buyer pairs that follow
 -- ARGV[6 .. 5+2n] pairs: user id, reservation id, for every user holding an order
 -- ARGV[6+2n ..] reservation ids of failed and cancelled orders: MySQL's available
 --         count has their units already, so a late refund of one is a no-op
 --
--- Returns 1 when built, 0 when "missing" found the activity loaded.
+-- Returns 1 when built, 0 when "missing" found the activity loaded or "force"
+-- found it selling.
 -- Running it twice gives the same state.
 if ARGV[3] == "missing" and redis.call("EXISTS", KEYS[1]) == 1 and redis.call("EXISTS", KEYS[6]) == 1 then
+  return 0
+end
+if ARGV[3] == "force" and redis.call("GET", KEYS[6]) == "open" then
   return 0
 end
 redis.call("DEL", KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])

@@ -9,10 +9,14 @@
 --             right is given back
 --   "return"  the order failed or was cancelled: the units go back, the user's
 --             purchase right stays spent
+--   "drop"    the reservation lost to another order of the same user: only a
+--             reservation still pending here is returned (after a rebuild from
+--             MySQL its unit is counted already); the right stays spent
 --
 -- Returns the units returned (> 0), or
 --    0  already refunded (a second run changes nothing)
 --   -1  nothing to undo: no such pending reservation
+--   -2  (undo) it is acknowledged: a 202 was answered, it is not undone
 --   -3  not loaded: the stock key is missing; the activity will be rebuilt from
 --       MySQL, which is the count that matters, so nothing is lost
 if redis.call("SISMEMBER", KEYS[5], ARGV[1]) == 1 then
@@ -21,14 +25,16 @@ end
 if not redis.call("GET", KEYS[1]) then
   return -3
 end
-if ARGV[4] == "undo" then
+if ARGV[4] == "undo" or ARGV[4] == "drop" then
   if not redis.call("ZSCORE", KEYS[3], ARGV[1]) then
     return -1
   end
+end
+if ARGV[4] == "undo" then
   -- An acknowledged reservation is a promise: it is never undone.
   local detail = redis.call("HGET", KEYS[4], ARGV[1])
   if detail and string.sub(detail, -2) == "|a" then
-    return -1
+    return -2
   end
   if redis.call("HGET", KEYS[2], ARGV[2]) == ARGV[1] then
     redis.call("HDEL", KEYS[2], ARGV[2])
