@@ -695,3 +695,28 @@ impl StockStore {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservation_details() {
+        assert_eq!(
+            parse_detail("alice|2|a"),
+            Some(("alice".into(), 2, Fate::Acknowledged))
+        );
+        assert_eq!(
+            parse_detail("bob-1|1|w"),
+            Some(("bob-1".into(), 1, Fate::Withdrawing))
+        );
+        // Written before fates existed.
+        assert_eq!(
+            parse_detail("carol|3"),
+            Some(("carol".into(), 3, Fate::Pending))
+        );
+        assert_eq!(parse_detail("dave|x|p"), None);
+        assert_eq!(parse_detail("erin|1|z"), None);
+        assert_eq!(parse_detail("nobody"), None);
+    }
+}

@@ -287,3 +287,50 @@ async fn script_flush_fails_no_request() {
     assert_eq!(app.redis_stock(&sale.id).await, Some(30));
     app.stop().await;
 }
+
+/// Redis holds an older build than MySQL's last one (a failover to a replica that
+/// missed the rebuild): the reconciler sees the epoch go back, pauses the sale,
+/// rebuilds it from MySQL once drained and resumes it.
+#[tokio::test]
+async fn an_older_build_in_redis_is_detected_and_rebuilt() {
+    let app = spawn_app_with(workers).await;
+    let sale = app.open_sale(5, 1).await;
+    assert_eq!(
+        app.reserve(&sale.sku, "early", None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    eventually(WAIT, "the early order", || async {
+        (order_counts(&app, &sale.id).await.values().sum::<i64>() == 1).then_some(())
+    })
+    .await;
+    drained(&app).await;
+    // As a replica that missed the build would: an older epoch, and a stock that
+    // forgot the early order.
+    let keys = flashsale::stock::Keys::new(&sale.id);
+    let mut conn = app.state.stock.connection();
+    let _: () = redis::pipe()
+        .set(&keys.epoch, 0)
+        .set(&keys.stock, 5)
+        .hdel(&keys.buyers, "early")
+        .query_async(&mut conn)
+        .await
+        .expect("go back in time");
+    let report = reconcile(&app, &sale.id).await;
+    assert_eq!(report["stale"], true, "{report}");
+    assert_eq!(report["rebuilt"], true, "{report}");
+    assert_eq!(app.redis_stock(&sale.id).await, Some(4));
+    let activity = app
+        .state
+        .activities
+        .get(&sale.id)
+        .await
+        .expect("query")
+        .expect("activity");
+    assert!(!activity.paused && !activity.auto_paused, "resumed");
+    app.state.cache.refresh().await.expect("refresh");
+    let resp = app.reserve(&sale.sku, "early", None).await;
+    assert_error(resp, StatusCode::CONFLICT, "already_reserved").await;
+    let again = reconcile(&app, &sale.id).await;
+    assert_eq!(again["stale"], false, "{again}");
+    app.stop().await;
+}
