@@ -234,13 +234,13 @@ pub async fn scenario(fault: &dyn Fault) -> Result<Row, String> {
         s.stop();
     }
     run.kill_consumers();
-    let _ =
-        <sqlx::MySql as sqlx::migrate::MigrateDatabase>::drop_database(&run.root_mysql_url).await;
     if let Some(user) = &run.mysql_user {
         let _ = run
             .as_root(&format!("DROP USER IF EXISTS '{user}'@'127.0.0.1'"))
             .await;
     }
+    let _ =
+        <sqlx::MySql as sqlx::migrate::MigrateDatabase>::drop_database(&run.root_mysql_url).await;
     if std::env::var_os("FAULTS_KEEP").is_some() && result.is_err() {
         let kept = std::mem::replace(
             &mut run.dir,
