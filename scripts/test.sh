@@ -5,11 +5,14 @@
 #   scripts/test.sh seed_test  # extra arguments go to `cargo test` (a name filter)
 #
 # Starts (and if needed installs) Redis, MariaDB and the Kafka-protocol broker
-# first, and drops the per-test databases an earlier run left behind.
+# first, and a 6-node Redis Cluster on loopback, and drops the per-test databases
+# an earlier run left behind. Then runs every test, and the reserve, order and
+# reconcile tests once more against the Cluster.
 set -euo pipefail
 cd "$(dirname -- "${BASH_SOURCE[0]}")/.."
 
 scripts/services.sh
+scripts/redis-cluster.sh start
 
 # Each test creates its own database flashsale_t_<uuid>; clear old ones.
 stale=$(mariadb -h127.0.0.1 -uroot -N -B -e \
@@ -25,6 +28,13 @@ trap 'rm -f "$log"' EXIT
 set +e
 cargo test --workspace --locked "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
+if [[ $# -eq 0 ]]; then
+    echo "== the reserve, order and reconcile tests against the Redis Cluster"
+    FLASHSALE_TEST_REDIS_URL="$(scripts/redis-cluster.sh url)" \
+        cargo test --locked --test api -- reserve:: orders:: reconcile:: 2>&1 | tee -a "$log"
+    cluster_status=${PIPESTATUS[0]}
+    [[ $status -ne 0 ]] || status=$cluster_status
+fi
 set -e
 awk '
     /^test result: / { passed += $4; failed += $6 }

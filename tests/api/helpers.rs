@@ -35,6 +35,11 @@ pub fn test_settings() -> Settings {
     s.mysql.url = SecretString::from(format!("mysql://root@127.0.0.1:3306/flashsale_t_{id}"));
     s.mysql.max_connections = 5;
     s.kafka.brokers = kafka_brokers();
+    // scripts/test.sh runs the reserve, order and reconcile tests once more with
+    // this set to a Redis Cluster.
+    if let Ok(url) = std::env::var("FLASHSALE_TEST_REDIS_URL") {
+        s.redis.url = url;
+    }
     s.kafka.topic = format!("flash.t.{id}");
     s.kafka.dead_letter_topic = format!("flash.t.{id}.dlq");
     s.kafka.group_id = format!("flashsale-t-{id}");
