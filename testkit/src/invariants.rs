@@ -93,12 +93,18 @@ impl Probe {
             .map_err(|e| format!("MySQL: {e}"))
     }
 
-    async fn redis(&self) -> Result<redis::aio::MultiplexedConnection, String> {
-        let client = redis::Client::open(self.redis_url.as_str()).map_err(|e| e.to_string())?;
-        client
-            .get_multiplexed_async_connection()
+    /// The service's own Redis handle: one node or a Cluster, as the URL says.
+    async fn redis(&self) -> Result<flashsale::stock::RedisConn, String> {
+        let settings = flashsale::config::RedisSettings {
+            url: self.redis_url.clone(),
+            connection_timeout_ms: 2000,
+            response_timeout_ms: 2000,
+            min_replicas_acked: 0,
+            replica_ack_timeout_ms: 0,
+        };
+        flashsale::stock::RedisConn::connect(&settings)
             .await
-            .map_err(|e| format!("Redis: {e}"))
+            .map_err(|e| format!("Redis: {e:#}"))
     }
 
     /// One look: `Ok(None)` when quiet, else what is still moving.

@@ -153,6 +153,8 @@ pub struct Redis {
     dir: PathBuf,
     /// The primary's port, for a replica.
     replica_of: Option<u16>,
+    /// A Redis Cluster node.
+    cluster: bool,
 }
 
 impl Redis {
@@ -166,7 +168,10 @@ impl Redis {
     }
 
     fn start_in(dir: &Path, replica_of: Option<u16>) -> Self {
-        let port = free_port();
+        Self::start_node(dir, free_port(), replica_of, false)
+    }
+
+    fn start_node(dir: &Path, port: u16, replica_of: Option<u16>, cluster: bool) -> Self {
         let dir = dir.join(format!("redis-{port}"));
         std::fs::create_dir_all(&dir).expect("redis dir");
         let mut r = Redis {
@@ -174,6 +179,7 @@ impl Redis {
             proc: None,
             dir,
             replica_of,
+            cluster,
         };
         r.restart_empty();
         r
@@ -196,6 +202,11 @@ impl Redis {
         ]);
         if let Some(primary) = self.replica_of {
             cmd.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
+        }
+        if self.cluster {
+            cmd.args(["--cluster-enabled", "yes"])
+                .args(["--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-node-timeout", "2000"]);
         }
         cmd.current_dir(&self.dir);
         self.proc = Some(Proc::spawn("redis", cmd, self.dir.join("redis.log")));
@@ -255,6 +266,119 @@ impl Redis {
             .await
             .unwrap_or_default();
         info.contains("master_link_status:up")
+    }
+}
+
+/// A Redis Cluster of a test's own: 3 primaries and 3 replicas on free ports.
+pub struct RedisCluster {
+    pub nodes: Vec<Redis>,
+}
+
+/// A free port whose cluster bus port (+10000) is free and valid too.
+fn free_cluster_port() -> u16 {
+    loop {
+        let p = free_port();
+        if p < 55_000 && std::net::TcpListener::bind(("127.0.0.1", p + 10_000)).is_ok() {
+            return p;
+        }
+    }
+}
+
+fn redis_cli(args: &[&str]) -> String {
+    Command::new(which("redis-cli", &["/usr/bin/redis-cli"]))
+        .args(args)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).replace('\r', ""))
+        .unwrap_or_default()
+}
+
+impl RedisCluster {
+    /// Starts six nodes and forms the cluster (`redis-cli --cluster create`);
+    /// returns once every live node reports `cluster_state:ok`.
+    pub fn start(dir: &Path) -> Self {
+        let nodes: Vec<Redis> = (0..6)
+            .map(|_| Redis::start_node(dir, free_cluster_port(), None, true))
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let mut args: Vec<&str> = vec!["--cluster", "create"];
+        args.extend(addrs.iter().map(String::as_str));
+        args.extend(["--cluster-replicas", "1", "--cluster-yes"]);
+        redis_cli(&args);
+        let cluster = RedisCluster { nodes };
+        cluster.wait_healthy(Duration::from_secs(30));
+        cluster
+    }
+
+    /// Waits until every live node reports `cluster_state:ok`.
+    pub fn wait_healthy(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let ok = self.nodes.iter().filter(|n| n.proc.is_some()).all(|n| {
+                redis_cli(&["-p", &n.port.to_string(), "cluster", "info"])
+                    .contains("cluster_state:ok")
+            });
+            if ok {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the Redis Cluster never became healthy"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `redis+cluster://` with the first three nodes as seeds.
+    pub fn url(&self) -> String {
+        let seeds: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("redis+cluster://{}", seeds.join(","))
+    }
+
+    /// The port of the primary that serves `key` now.
+    pub fn primary_for(&self, key: &str) -> Option<u16> {
+        let live = self.nodes.iter().find(|n| n.proc.is_some())?;
+        let port = live.port.to_string();
+        let slot: u32 = redis_cli(&["-p", &port, "cluster", "keyslot", key])
+            .trim()
+            .parse()
+            .ok()?;
+        // CLUSTER NODES: id addr@bus flags master ping pong epoch state slots...
+        for line in redis_cli(&["-p", &port, "cluster", "nodes"]).lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 9 || !f[2].contains("master") || f[2].contains("fail") {
+                continue;
+            }
+            let serves = f[8..].iter().any(|range| {
+                let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+                matches!((lo.parse::<u32>(), hi.parse::<u32>()), (Ok(lo), Ok(hi)) if lo <= slot && slot <= hi)
+            });
+            if serves {
+                return f[1].split('@').next()?.rsplit(':').next()?.parse().ok();
+            }
+        }
+        None
+    }
+
+    /// Starts the node on `port` again, with no data: it rejoins the cluster
+    /// from its `nodes.conf`, as a replica once its slots moved.
+    pub fn restart(&mut self, port: u16) {
+        if let Some(n) = self.nodes.iter_mut().find(|n| n.port == port) {
+            n.restart_empty();
+        }
+    }
+
+    /// SIGKILLs the node on `port`.
+    pub fn kill(&mut self, port: u16) {
+        if let Some(n) = self.nodes.iter_mut().find(|n| n.port == port) {
+            n.kill();
+        }
     }
 }
 

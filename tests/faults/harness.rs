@@ -11,7 +11,7 @@ use flashsale::config::{KafkaSettings, Settings};
 use futures::future::BoxFuture;
 use secrecy::ExposeSecret;
 use testkit::invariants::{Answer, Figures, Probe};
-use testkit::process::{flashsale, Broker, Env, MariaDb, Proc, Redis, Service};
+use testkit::process::{flashsale, Broker, Env, MariaDb, Proc, Redis, RedisCluster, Service};
 use testkit::relay::Relay;
 use testkit::sale::{open_sale, SaleSpec};
 use testkit::unique;
@@ -47,6 +47,8 @@ pub struct Setup {
     pub own_broker: bool,
     /// A replica of the scenario's Redis, both behind a relay.
     pub redis_replica: bool,
+    /// A Redis Cluster of its own (3 primaries, 3 replicas) instead of one node.
+    pub redis_cluster: bool,
     pub services: usize,
     /// The consumer runs as its own `flashsale consume`, not inside `serve`.
     pub separate_consumer: bool,
@@ -71,6 +73,7 @@ pub struct Run {
     pub redis: Redis,
     pub replica: Option<Redis>,
     pub redis_relay: Option<Relay>,
+    pub cluster: Option<RedisCluster>,
     pub mariadb: Option<MariaDb>,
     pub broker: Option<Broker>,
     pub services: Vec<Service>,
@@ -89,13 +92,41 @@ pub struct Run {
     /// Work the fault runs beside the sale until it is over (its count is kept).
     pub background: Vec<tokio::task::JoinHandle<usize>>,
     pub background_counts: Vec<usize>,
+    /// Answers the fault's own requests got (checked with the load's).
+    pub extra_answers: Vec<Answer>,
 }
 
 impl Run {
     pub fn redis_url(&self) -> String {
+        if let Some(c) = &self.cluster {
+            return c.url();
+        }
         match &self.redis_relay {
             Some(r) => format!("redis://127.0.0.1:{}", r.port),
             None => self.redis.url(),
+        }
+    }
+
+    /// One reservation by `user`, retried while it answers 503 (a failover in
+    /// progress) for at most `limit`; its answer joins the checked ones.
+    pub async fn reserve_until_answered(&mut self, user: &str, limit: Duration) -> Answer {
+        let token = test_auth().issue(user, 3600).unwrap_or_default();
+        let deadline = Instant::now() + limit;
+        loop {
+            let answer = Answer::from_response(
+                self.client
+                    .post(format!("{}/flash/{}/reserve", self.base(), self.sku))
+                    .bearer_auth(&token)
+                    .send()
+                    .await,
+            )
+            .await;
+            if answer.status != Some(503) || Instant::now() > deadline {
+                self.extra_answers.push(answer.clone());
+                return answer;
+            }
+            self.extra_answers.push(answer);
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
@@ -203,6 +234,16 @@ fn base_settings() -> Settings {
     Settings::load_from(&dir, "test").expect("config loads")
 }
 
+/// Signs user tokens as the services do.
+pub fn test_auth() -> Auth {
+    let settings = base_settings();
+    Auth::new(
+        settings.auth.admin_token.clone(),
+        &settings.auth.user_token_secret,
+    )
+    .expect("the test config's secrets are valid")
+}
+
 /// One row of the table.
 #[derive(Debug, Default)]
 pub struct Row {
@@ -261,6 +302,9 @@ async fn start(setup: &Setup) -> Result<Run, String> {
     let replica = setup
         .redis_replica
         .then(|| tokio::task::block_in_place(|| Redis::start_replica(dir.path(), redis.port)));
+    let cluster = setup
+        .redis_cluster
+        .then(|| tokio::task::block_in_place(|| RedisCluster::start(dir.path())));
     let redis_relay = match &replica {
         Some(r) => {
             testkit::within(Duration::from_secs(20), "the replica to sync", || async {
@@ -296,9 +340,10 @@ async fn start(setup: &Setup) -> Result<Run, String> {
         env!("CARGO_BIN_EXE_flashsale"),
         Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
     );
-    let redis_url = match &redis_relay {
-        Some(r) => format!("redis://127.0.0.1:{}", r.port),
-        None => redis.url(),
+    let redis_url = match (&cluster, &redis_relay) {
+        (Some(c), _) => c.url(),
+        (None, Some(r)) => format!("redis://127.0.0.1:{}", r.port),
+        (None, None) => redis.url(),
     };
     env.set("FLASHSALE__REDIS__URL", &redis_url);
     env.set("FLASHSALE__MYSQL__URL", &root_mysql_url);
@@ -346,6 +391,7 @@ async fn start(setup: &Setup) -> Result<Run, String> {
         redis,
         replica,
         redis_relay,
+        cluster,
         mariadb,
         broker,
         services: Vec::new(),
@@ -366,6 +412,7 @@ async fn start(setup: &Setup) -> Result<Run, String> {
         stop: Arc::new(AtomicBool::new(false)),
         background: Vec::new(),
         background_counts: Vec::new(),
+        extra_answers: Vec::new(),
         dir,
     };
     if setup.own_mysql_user {
@@ -419,12 +466,7 @@ async fn start(setup: &Setup) -> Result<Run, String> {
 
 /// The sale with its fault, then the checks.
 async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
-    let settings = base_settings();
-    let auth = Auth::new(
-        settings.auth.admin_token.clone(),
-        &settings.auth.user_token_secret,
-    )
-    .map_err(|e| e.to_string())?;
+    let auth = test_auth();
     let targets: Arc<Vec<String>> = Arc::new(run.services.iter().map(Service::base).collect());
     // Every instance learns of a new sale on its next cache refresh.
     for base in targets.iter() {
@@ -485,6 +527,7 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
 
     let mut answers = load.await.map_err(|e| format!("load task: {e}"))?;
     answers.push(warmup);
+    answers.append(&mut run.extra_answers);
     let probe = run.probe();
     let quiet = probe.wait_quiet(Duration::from_secs(120)).await;
     run.stop.store(true, Ordering::SeqCst);

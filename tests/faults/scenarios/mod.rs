@@ -2,6 +2,7 @@
 
 mod broker_killed;
 mod broker_stalled;
+mod cluster_failover;
 mod consumer_down;
 mod consumer_killed;
 mod every_message_twice;
@@ -35,5 +36,6 @@ pub fn all() -> Vec<Arc<dyn Fault>> {
         Arc::new(mysql_privileges_revoked::MysqlPrivilegesRevoked),
         Arc::new(redis_failover::RedisFailover),
         Arc::new(preload_during_sale::PreloadDuringSale),
+        Arc::new(cluster_failover::ClusterFailover),
     ]
 }

@@ -1,0 +1,68 @@
+//! On a Redis Cluster of its own, the primary that owns the sale's slot is
+//! SIGKILLed mid-sale; the cluster promotes its replica, the old primary comes
+//! back as its replica, and the sale goes on. With `redis.min_replicas_acked = 1`
+//! every `202` was on the replica first, and none is answered while the new
+//! primary has no replica.
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+use crate::harness::{Fault, Run, Setup};
+
+pub struct ClusterFailover;
+
+impl Fault for ClusterFailover {
+    fn id(&self) -> &'static str {
+        "cluster_failover"
+    }
+    fn name(&self) -> &'static str {
+        "redis cluster primary killed, replica promoted"
+    }
+    fn prepare(&self, setup: &mut Setup) {
+        setup.redis_cluster = true;
+        setup.set("FLASHSALE__REDIS__MIN_REPLICAS_ACKED", 1);
+        setup.set("FLASHSALE__REDIS__REPLICA_ACK_TIMEOUT_MS", 200);
+    }
+    fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let key = flashsale::stock::Keys::new(&run.activity_id).stock;
+            let cluster = run.cluster.as_mut().ok_or("no cluster")?;
+            let primary = cluster.primary_for(&key).ok_or("no primary for the sale")?;
+            cluster.kill(primary);
+            // The cluster notices (node timeout 2 s) and promotes the replica.
+            let cluster = run.cluster.as_ref().ok_or("no cluster")?;
+            testkit::within(
+                Duration::from_secs(30),
+                "the replica's promotion",
+                || async {
+                    let now = tokio::task::block_in_place(|| cluster.primary_for(&key));
+                    now.filter(|p| *p != primary)
+                },
+            )
+            .await?;
+            // The old primary comes back as the new one's replica, so a 202 can
+            // be acknowledged by a replica again.
+            let cluster = run.cluster.as_mut().ok_or("no cluster")?;
+            tokio::task::block_in_place(|| {
+                cluster.restart(primary);
+                cluster.wait_healthy(Duration::from_secs(30))
+            });
+            // The sale goes on: a new buyer is served by the promoted primary.
+            let answer = run
+                .reserve_until_answered("after-failover", Duration::from_secs(30))
+                .await;
+            run.background_counts
+                .push(usize::from(answer.status.unwrap_or(0)));
+            Ok(())
+        })
+    }
+    fn expect(&self, run: &Run, _f: &testkit::invariants::Figures) -> Result<(), String> {
+        match run.background_counts.first() {
+            Some(202) | Some(409) => Ok(()),
+            other => Err(format!(
+                "after the failover a new buyer got {other:?}, not 202 (or 409 sold out)"
+            )),
+        }
+    }
+}
