@@ -13,8 +13,11 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Context;
+use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
 use rdkafka::message::{BorrowedMessage, Message, OwnedMessage};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::time::Instant;
@@ -346,8 +349,30 @@ pub fn parse(payload: Option<&[u8]>) -> Result<Incoming, String> {
     })
 }
 
+/// Reports the partitions this consumer holds after each rebalance, as the gauge
+/// `consumer_assigned_partitions` and in the logs.
+struct RebalanceReport;
+
+impl ClientContext for RebalanceReport {}
+
+impl ConsumerContext for RebalanceReport {
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(partitions) => {
+                tracing::info!(partitions = partitions.count(), "partitions assigned");
+                metrics::gauge!("consumer_assigned_partitions").set(partitions.count() as f64);
+            }
+            Rebalance::Revoke(_) => {
+                tracing::info!("partitions revoked");
+                metrics::gauge!("consumer_assigned_partitions").set(0.0);
+            }
+            Rebalance::Error(err) => tracing::warn!(error = %err, "rebalance failed"),
+        }
+    }
+}
+
 pub struct OrderConsumer {
-    consumer: StreamConsumer,
+    consumer: StreamConsumer<RebalanceReport>,
     writer: OrderWriter,
     dead_letters: Publisher,
     dead_letter_topic: String,
@@ -365,7 +390,7 @@ impl OrderConsumer {
         if !settings.kafka.client_debug.is_empty() {
             config.set("debug", &settings.kafka.client_debug);
         }
-        let consumer: StreamConsumer = config
+        let consumer: StreamConsumer<RebalanceReport> = config
             .set("bootstrap.servers", &settings.kafka.brokers)
             .set("group.id", &settings.kafka.group_id)
             .set("enable.auto.commit", "false")
@@ -375,7 +400,7 @@ impl OrderConsumer {
             .set("session.timeout.ms", "6000")
             .set("heartbeat.interval.ms", "2000")
             .set("socket.connection.setup.timeout.ms", "2000")
-            .create()
+            .create_with_context(RebalanceReport)
             .context("failed to create the Kafka consumer")?;
         consumer
             .subscribe(&[&settings.kafka.topic])

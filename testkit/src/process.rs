@@ -312,13 +312,25 @@ impl RedisCluster {
         cluster
     }
 
-    /// Waits until every live node reports `cluster_state:ok`.
+    /// Waits until every live node reports `cluster_state:ok`, every replica has
+    /// synced and every primary has an online replica (a `WAIT` for one replica
+    /// can succeed).
     pub fn wait_healthy(&self, within: Duration) {
         let deadline = Instant::now() + within;
         loop {
             let ok = self.nodes.iter().filter(|n| n.proc.is_some()).all(|n| {
-                redis_cli(&["-p", &n.port.to_string(), "cluster", "info"])
-                    .contains("cluster_state:ok")
+                let port = n.port.to_string();
+                let replication = redis_cli(&["-p", &port, "info", "replication"]);
+                // A replica counts for WAIT once its primary sees it online (after
+                // its first acknowledgement, not just the sync).
+                redis_cli(&["-p", &port, "cluster", "info"]).contains("cluster_state:ok")
+                    && (!replication.contains("role:slave")
+                        || replication.contains("master_link_status:up"))
+                    && (!replication.contains("role:master")
+                        || (replication.contains("slave0:")
+                            && !replication.contains("state=wait_bgsave")
+                            && !replication.contains("state=send_bulk")
+                            && replication.contains("state=online")))
             });
             if ok {
                 return;

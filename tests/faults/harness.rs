@@ -34,6 +34,10 @@ pub trait Fault: Send + Sync {
     fn prepare(&self, _setup: &mut Setup) {}
     /// The fault itself, mid-sale (5 % of the requests sent).
     fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>>;
+    /// Once the sale is quiet, before the checks: what the fault wants to read.
+    fn after<'a>(&'a self, _run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
     /// What must hold beyond the invariants.
     fn expect(&self, _run: &Run, _figures: &Figures) -> Result<(), String> {
         Ok(())
@@ -94,6 +98,8 @@ pub struct Run {
     pub background_counts: Vec<usize>,
     /// Answers the fault's own requests got (checked with the load's).
     pub extra_answers: Vec<Answer>,
+    /// Whether the consumer runs apart (`flashsale consume`), not in `serve`.
+    pub separate_consumer: bool,
 }
 
 impl Run {
@@ -190,9 +196,17 @@ impl Run {
 
     /// A counter from the first service's `/metrics` (0 when absent).
     pub async fn metric(&self, name: &str) -> f64 {
+        self.metric_of(0, name).await
+    }
+
+    /// A counter from service `i`'s `/metrics`, summed over its labels.
+    pub async fn metric_of(&self, i: usize, name: &str) -> f64 {
+        let Some(service) = self.services.get(i) else {
+            return 0.0;
+        };
         let Ok(resp) = self
             .client
-            .get(format!("{}/metrics", self.base()))
+            .get(format!("{}/metrics", service.base()))
             .send()
             .await
         else {
@@ -413,6 +427,7 @@ async fn start(setup: &Setup) -> Result<Run, String> {
         background: Vec::new(),
         background_counts: Vec::new(),
         extra_answers: Vec::new(),
+        separate_consumer: setup.separate_consumer,
         dir,
     };
     if setup.own_mysql_user {
@@ -489,6 +504,23 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
     // One reservation through to MySQL first: every consumer has joined its group
     // and is consuming before the sale and the fault begin.
     let warmup = warm_up(run, &auth).await?;
+    // With several consumers in the group, the sale starts once each holds
+    // partitions (the broker rebalances a group some seconds after a join).
+    if !run.separate_consumer && run.services.len() > 1 {
+        testkit::within(
+            Duration::from_secs(60),
+            "every consumer to hold partitions",
+            || async {
+                for i in 0..run.services.len() {
+                    if run.metric_of(i, "consumer_assigned_partitions").await < 1.0 {
+                        return None;
+                    }
+                }
+                Some(())
+            },
+        )
+        .await?;
+    }
 
     let reconcile_calls = Arc::new(AtomicUsize::new(0));
     let mut hammers = Vec::new();
@@ -538,6 +570,7 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
         run.background_counts.push(b.await.unwrap_or(0));
     }
     quiet?;
+    fault.after(run).await?;
     let figures = probe.check(&answers).await?;
     if answers.len() < total + 1 {
         return Err(format!("only {} answers recorded", answers.len()));

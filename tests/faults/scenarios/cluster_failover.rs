@@ -22,7 +22,8 @@ impl Fault for ClusterFailover {
     fn prepare(&self, setup: &mut Setup) {
         setup.redis_cluster = true;
         setup.set("FLASHSALE__REDIS__MIN_REPLICAS_ACKED", 1);
-        setup.set("FLASHSALE__REDIS__REPLICA_ACK_TIMEOUT_MS", 200);
+        // Above a fresh replica's first acknowledgement interval (1 s).
+        setup.set("FLASHSALE__REDIS__REPLICA_ACK_TIMEOUT_MS", 1000);
     }
     fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {

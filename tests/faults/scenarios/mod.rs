@@ -14,6 +14,7 @@ mod redis_failover;
 mod redis_restarted_empty;
 mod script_cache_flushed;
 mod service_killed;
+mod three_instances;
 mod two_instances;
 
 use std::sync::Arc;
@@ -30,6 +31,7 @@ pub fn all() -> Vec<Arc<dyn Fault>> {
         Arc::new(every_message_twice::EveryMessageTwice),
         Arc::new(payments_race_sweeper::PaymentsRaceSweeper),
         Arc::new(two_instances::TwoInstances),
+        Arc::new(three_instances::ThreeInstances),
         Arc::new(script_cache_flushed::ScriptCacheFlushed),
         Arc::new(broker_stalled::BrokerStalled),
         Arc::new(consumer_down::ConsumerDown),
