@@ -17,7 +17,7 @@ use crate::error::{AppError, AppResult};
 use crate::orders::{Decision, Incoming, OrderStatus, OrderWriter};
 use crate::queue::ReservationMessage;
 use crate::state::AppState;
-use crate::stock::{FateChange, RefundMode, RefundOutcome, ReserveOutcome};
+use crate::stock::{FateChange, RefundMode, ReserveOutcome};
 
 fn activity_for(state: &AppState, sku: &str, now: DateTime<Utc>) -> AppResult<Arc<Activity>> {
     if !is_valid_sku(sku) {
@@ -292,11 +292,7 @@ async fn replicated(state: &AppState, activity_id: &str, reservation_id: &str) -
 /// its order, a `503` otherwise. If MySQL cannot be reached it stays marked
 /// withdrawing in Redis, and the reconciler decides it.
 async fn withdraw(state: &AppState, incoming: Incoming, reserved: Reserved) -> AppResult<Reserved> {
-    let writer = OrderWriter {
-        repo: state.orders.clone(),
-        stock: state.stock.clone(),
-    };
-    match writer
+    match writer(state)
         .withdraw(
             std::slice::from_ref(&incoming),
             "its publish failed or timed out",
@@ -329,26 +325,14 @@ async fn withdraw(state: &AppState, incoming: Incoming, reserved: Reserved) -> A
 /// again. If this fails too, the reservation stays pending in Redis, where the
 /// reconciler finds it (and withdraws it, since it was never acknowledged).
 async fn undo(state: &AppState, m: &Incoming) {
-    match state
-        .stock
-        .refund(
-            &m.activity_id,
-            &m.reservation_id,
-            &m.user_id,
-            m.quantity,
-            RefundMode::Undo,
-        )
-        .await
-    {
-        Ok(RefundOutcome::Returned { units }) => {
-            tracing::info!(reservation_id = %m.reservation_id, units, "units returned");
-        }
-        Ok(other) => {
-            tracing::debug!(reservation_id = %m.reservation_id, ?other, "nothing to return")
-        }
-        Err(err) => {
-            tracing::error!(error = %err, reservation_id = %m.reservation_id, "refund failed; left for the reconciler");
-        }
+    writer(state).give_back(m, RefundMode::Undo, "undone").await;
+}
+
+/// The one decision step, over this instance's MySQL pool and Redis handle.
+fn writer(state: &AppState) -> OrderWriter {
+    OrderWriter {
+        repo: state.orders.clone(),
+        stock: state.stock.clone(),
     }
 }
 

@@ -288,9 +288,10 @@ impl OrderWriter {
         report
     }
 
-    /// Returns a reservation's units to Redis (idempotent); `None` if Redis did not
-    /// answer.
-    async fn give_back(
+    /// Returns a reservation's units to Redis (idempotent; see `RefundMode`);
+    /// `None` if Redis did not answer (logged: the reconciler or the sweeper
+    /// retries).
+    pub async fn give_back(
         &self,
         m: &Incoming,
         mode: RefundMode,

@@ -37,11 +37,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::activity::{Activity, ActivityCache, ActivityRepo, Window};
 use crate::config::KafkaSettings;
-use crate::orders::{Decision, Incoming, NewRows, OrderRepo, OrderWriter};
+use crate::orders::{Decision, Incoming, OrderRepo, OrderWriter};
 use crate::queue;
 use crate::stock::{Audit, Build, Fate, PreloadMode, StockStore};
 
 const EXPIRED_BATCH: usize = 500;
+/// How long one pass keeps retrying MySQL for the orders it honours.
+const HONOUR_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What one pass found and did, for the operator.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -337,7 +339,30 @@ impl Reconciler {
             };
             let acked: Vec<Incoming> = acked.into_iter().map(to_incoming).collect();
             if !acked.is_empty() {
-                let decisions = self.orders.apply(&acked, NewRows::Order).await?;
+                // The consumer's own write: one batch, then one by one if MySQL
+                // refuses some as bad data (those are withdrawn and reported), so
+                // one bad reservation never blocks the others. MySQL errors are
+                // retried for a while, then left for the next pass.
+                let deadline = CancellationToken::new();
+                let timer = {
+                    let deadline = deadline.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(HONOUR_TIMEOUT).await;
+                        deadline.cancel();
+                    })
+                };
+                let written = writer.write(&acked, &deadline).await;
+                timer.abort();
+                let (decisions, refused) = written.ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "MySQL did not take the honoured orders within {HONOUR_TIMEOUT:?}"
+                    )
+                })?;
+                for (i, reason) in refused {
+                    if let Some(m) = acked.get(i) {
+                        tracing::error!(incident = true, reservation_id = %m.reservation_id, %reason, "an acknowledged reservation's order was refused as bad data");
+                    }
+                }
                 let mut honoured = 0;
                 for d in &decisions {
                     match d {
