@@ -26,7 +26,7 @@ done
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
-cargo test --workspace --locked "$@" 2>&1 | tee "$log"
+cargo test --workspace --locked --no-fail-fast "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 if [[ $# -eq 0 ]]; then
     echo "== the reserve, order and reconcile tests against the Redis Cluster"

@@ -42,6 +42,8 @@ use crate::queue;
 use crate::stock::{Audit, Build, Fate, PreloadMode, StockStore};
 
 const EXPIRED_BATCH: usize = 500;
+/// How soon a rebuild that waits for the consumers is tried again.
+const REBUILD_RETRY: Duration = Duration::from_secs(1);
 /// How long one pass keeps retrying MySQL for the orders it honours.
 const HONOUR_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -58,6 +60,8 @@ pub struct Report {
     /// Whether Redis held an older build of it than MySQL's last one.
     pub stale: bool,
     pub paused_automatically: bool,
+    /// A rebuild is due but waits (for the consumers to drain).
+    pub rebuild_waiting: bool,
     pub rebuilt: bool,
     pub resumed: bool,
     /// Pending reservations past the deadline, and what became of them.
@@ -185,6 +189,7 @@ impl Reconciler {
         }
         match self.rebuild(activity, mode, report.consumer_lag).await? {
             Rebuild::Waiting(why) => {
+                report.rebuild_waiting = true;
                 report.refused.push(format!("rebuild {why}"));
                 return Ok(());
             }
@@ -486,14 +491,23 @@ impl Reconciler {
     ) {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // A sale paused for a rebuild that waits for the consumers is retried
+        // every second, not at the next interval: it is not selling meanwhile.
+        let mut rebuild_waiting = false;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
+                _ = tokio::time::sleep(REBUILD_RETRY), if rebuild_waiting => {}
                 _ = wake.notified() => {}
             }
+            rebuild_waiting = false;
             for activity in cache.current_activities(Utc::now()) {
                 match self.reconcile_activity(&activity).await {
+                    Ok(r) if r.rebuild_waiting => {
+                        rebuild_waiting = true;
+                        tracing::info!(report = ?r, "reconcile pass; the rebuild waits");
+                    }
                     Ok(r)
                         if r.drift != 0
                             || r.withdrawn > 0
