@@ -269,7 +269,8 @@ impl Redis {
     }
 }
 
-/// A Redis Cluster of a test's own: 3 primaries and 3 replicas on free ports.
+/// A Redis Cluster of a test's own on free ports: 3 primaries with 2 replicas
+/// each, so a primary that fails over still leaves its successor a replica.
 pub struct RedisCluster {
     pub nodes: Vec<Redis>,
 }
@@ -293,10 +294,10 @@ fn redis_cli(args: &[&str]) -> String {
 }
 
 impl RedisCluster {
-    /// Starts six nodes and forms the cluster (`redis-cli --cluster create`);
+    /// Starts nine nodes and forms the cluster (`redis-cli --cluster create`);
     /// returns once every live node reports `cluster_state:ok`.
     pub fn start(dir: &Path) -> Self {
-        let nodes: Vec<Redis> = (0..6)
+        let nodes: Vec<Redis> = (0..9)
             .map(|_| Redis::start_node(dir, free_cluster_port(), None, true))
             .collect();
         let addrs: Vec<String> = nodes
@@ -305,7 +306,7 @@ impl RedisCluster {
             .collect();
         let mut args: Vec<&str> = vec!["--cluster", "create"];
         args.extend(addrs.iter().map(String::as_str));
-        args.extend(["--cluster-replicas", "1", "--cluster-yes"]);
+        args.extend(["--cluster-replicas", "2", "--cluster-yes"]);
         redis_cli(&args);
         let cluster = RedisCluster { nodes };
         cluster.wait_healthy(Duration::from_secs(30));
@@ -376,14 +377,6 @@ impl RedisCluster {
             }
         }
         None
-    }
-
-    /// Starts the node on `port` again, with no data: it rejoins the cluster
-    /// from its `nodes.conf`, as a replica once its slots moved.
-    pub fn restart(&mut self, port: u16) {
-        if let Some(n) = self.nodes.iter_mut().find(|n| n.port == port) {
-            n.restart_empty();
-        }
     }
 
     /// SIGKILLs the node on `port`.
