@@ -368,15 +368,7 @@ impl Reconciler {
                         tracing::error!(incident = true, reservation_id = %m.reservation_id, %reason, "an acknowledged reservation's order was refused as bad data");
                     }
                 }
-                let mut honoured = 0;
-                for d in &decisions {
-                    match d {
-                        Decision::Ordered => honoured += 1,
-                        Decision::Superseded => report.superseded += 1,
-                        Decision::Refused { .. } => report.no_units += 1,
-                        _ => report.already_in_mysql += 1,
-                    }
-                }
+                let honoured = report.tally(&decisions, &Decision::Ordered);
                 report.honoured += honoured;
                 metrics::counter!("reconcile_honoured_reservations_total")
                     .increment(honoured as u64);
@@ -390,15 +382,8 @@ impl Reconciler {
                         "withdrawn by the reconciler before it reached an order",
                     )
                     .await?;
-                let mut withdrawn = 0;
-                for (_, d) in &decided {
-                    match d {
-                        Decision::Withdrawn => withdrawn += 1,
-                        Decision::Superseded => report.superseded += 1,
-                        Decision::Refused { .. } => report.no_units += 1,
-                        _ => report.already_in_mysql += 1,
-                    }
-                }
+                let decisions: Vec<Decision> = decided.into_iter().map(|(_, d)| d).collect();
+                let withdrawn = report.tally(&decisions, &Decision::Withdrawn);
                 report.withdrawn += withdrawn;
                 metrics::counter!("reconcile_withdrawn_reservations_total")
                     .increment(withdrawn as u64);
@@ -528,6 +513,21 @@ impl Reconciler {
 }
 
 impl Report {
+    /// Counts what MySQL decided for reservations the reconciler meant to become
+    /// `wanted`; returns how many did (the others are tallied here).
+    fn tally(&mut self, decisions: &[Decision], wanted: &Decision) -> usize {
+        let mut got = 0;
+        for d in decisions {
+            match d {
+                d if d == wanted => got += 1,
+                Decision::Superseded => self.superseded += 1,
+                Decision::Refused { .. } => self.no_units += 1,
+                _ => self.already_in_mysql += 1,
+            }
+        }
+        got
+    }
+
     /// A few lines for a terminal.
     pub fn summary(&self) -> String {
         let mut s = format!(

@@ -613,23 +613,6 @@ impl StockStore {
         Ok(out)
     }
 
-    /// The oldest pending reservation's age in milliseconds at `now_ms`, and how
-    /// many are pending.
-    pub async fn pending_age(
-        &self,
-        activity_id: &str,
-        now_ms: i64,
-    ) -> RedisResult<(Option<i64>, u64)> {
-        let k = Keys::new(activity_id);
-        let mut conn = self.conn.clone();
-        let (oldest, count): (Vec<(String, i64)>, u64) = redis::pipe()
-            .zrange_withscores(&k.pending, 0, 0)
-            .zcard(&k.pending)
-            .query_async(&mut conn)
-            .await?;
-        Ok((oldest.first().map(|(_, at)| now_ms - at), count))
-    }
-
     /// Sets the live open/paused switch, only if the activity is loaded.
     /// Returns whether it was loaded.
     pub async fn set_paused(&self, activity_id: &str, paused: bool) -> RedisResult<bool> {
