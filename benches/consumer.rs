@@ -81,6 +81,7 @@ async fn environment(base: &Settings, tag: &str) -> anyhow::Result<Env> {
         starts_at: now - chrono::Duration::minutes(1),
         ends_at: now + chrono::Duration::hours(1),
         payment_timeout_secs: 900,
+        stock_shards: 1,
     }
     .validate()
     .map_err(|e| anyhow::anyhow!("{e}"))?;

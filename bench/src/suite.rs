@@ -396,9 +396,8 @@ impl Suite {
         }
         let spec = SaleSpec {
             sku: Some(sku.to_owned()),
-            stock: u32::try_from(stock).context("stock too large for a sale")?,
-            per_user_limit: 1,
             payment_timeout_secs: 3600,
+            ..SaleSpec::new(u32::try_from(stock).context("stock too large for a sale")?)
         };
         let base = format!("http://{}", server.addr);
         let sale = testkit::sale::open_sale(&self.http, &base, &self.admin_token(), &spec)

@@ -21,6 +21,8 @@ pub struct Activity {
     /// Units not yet taken by orders in MySQL.
     pub available: i32,
     pub per_user_limit: u32,
+    /// How many hash tags its Redis stock is split over (1 to `MAX_STOCK_SHARDS`).
+    pub stock_shards: u8,
     pub starts_at: DateTime<Utc>,
     pub ends_at: DateTime<Utc>,
     pub payment_timeout_secs: u32,
@@ -67,6 +69,12 @@ pub struct NewActivity {
     pub ends_at: DateTime<Utc>,
     #[serde(default = "default_payment_timeout")]
     pub payment_timeout_secs: i64,
+    #[serde(default = "default_stock_shards")]
+    pub stock_shards: i64,
+}
+
+fn default_stock_shards() -> i64 {
+    1
 }
 
 fn default_per_user_limit() -> i64 {
@@ -82,6 +90,8 @@ fn default_payment_timeout() -> i64 {
 pub const MAX_STOCK: i64 = 10_000_000;
 /// Longest payment window: one week.
 pub const MAX_PAYMENT_TIMEOUT_SECS: i64 = 7 * 24 * 3600;
+/// Most hash tags one activity's stock may be split over.
+pub const MAX_STOCK_SHARDS: i64 = 64;
 
 /// A validated activity, ready to insert.
 #[derive(Debug, Clone)]
@@ -90,6 +100,7 @@ pub struct ValidActivity {
     pub sku: String,
     pub stock: u32,
     pub per_user_limit: u32,
+    pub stock_shards: u8,
     pub starts_at: DateTime<Utc>,
     pub ends_at: DateTime<Utc>,
     pub payment_timeout_secs: u32,
@@ -145,6 +156,11 @@ impl NewActivity {
                 "payment_timeout_secs must be between 1 and {MAX_PAYMENT_TIMEOUT_SECS}"
             )));
         }
+        if !(1..=MAX_STOCK_SHARDS).contains(&self.stock_shards) {
+            return Err(AppError::invalid(format!(
+                "stock_shards must be between 1 and {MAX_STOCK_SHARDS}"
+            )));
+        }
         // The ranges above were checked, so these conversions cannot fail.
         let to_u32 = |v: i64| u32::try_from(v).map_err(|_| AppError::invalid("value out of range"));
         Ok(ValidActivity {
@@ -152,6 +168,8 @@ impl NewActivity {
             sku: self.sku,
             stock: to_u32(self.stock)?,
             per_user_limit: to_u32(self.per_user_limit)?,
+            stock_shards: u8::try_from(self.stock_shards)
+                .map_err(|_| AppError::invalid("value out of range"))?,
             // MySQL DATETIME(3) keeps milliseconds; truncate now so that what we
             // answer equals what we store.
             starts_at: truncate_ms(self.starts_at),
@@ -179,6 +197,7 @@ mod tests {
             starts_at: now,
             ends_at: now + chrono::Duration::hours(1),
             payment_timeout_secs: 900,
+            stock_shards: 1,
         }
     }
 
@@ -203,6 +222,11 @@ mod tests {
         let mut a = new(10, 1);
         a.sku = "a/b".into();
         assert!(a.validate().is_err());
+        for (shards, ok) in [(0, false), (1, true), (64, true), (65, false)] {
+            let mut a = new(10, 1);
+            a.stock_shards = shards;
+            assert_eq!(a.validate().is_ok(), ok, "stock_shards {shards}");
+        }
         let generated = new(10, 1).validate().expect("valid");
         assert!(is_valid_id(&generated.id));
     }

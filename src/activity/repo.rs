@@ -6,8 +6,8 @@ use sqlx::MySqlPool;
 use super::{Activity, ValidActivity};
 use crate::stock::Build;
 
-const COLUMNS: &str = "id, sku, stock, available, per_user_limit, starts_at, ends_at, \
-                       payment_timeout_secs, paused, auto_paused, redis_epoch, created_at";
+const COLUMNS: &str = "id, sku, stock, available, per_user_limit, stock_shards, starts_at, \
+                       ends_at, payment_timeout_secs, paused, auto_paused, redis_epoch, created_at";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CreateError {
@@ -64,14 +64,16 @@ impl ActivityRepo {
         }
         let inserted = sqlx::query(
             "INSERT INTO activities \
-             (id, sku, stock, available, per_user_limit, starts_at, ends_at, payment_timeout_secs) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+             (id, sku, stock, available, per_user_limit, stock_shards, starts_at, ends_at, \
+              payment_timeout_secs) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&a.id)
         .bind(&a.sku)
         .bind(a.stock)
         .bind(a.stock)
         .bind(a.per_user_limit)
+        .bind(a.stock_shards)
         .bind(a.starts_at)
         .bind(a.ends_at)
         .bind(a.payment_timeout_secs)

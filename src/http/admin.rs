@@ -76,8 +76,12 @@ pub async fn preload(
     Path(id): Path<String>,
 ) -> AppResult<Json<Preloaded>> {
     let activity = load(&state, &id).await?;
-    let live = state.stock.snapshot(&id).await.map_err(redis_down)?;
-    let loaded = live.stock.is_some() && live.state.is_some();
+    let live = state
+        .stock
+        .snapshot(&id, activity.stock_shards)
+        .await
+        .map_err(redis_down)?;
+    let loaded = live.loaded();
     let paused = activity.paused || live.state.as_deref() == Some("paused");
     if loaded && activity.window(Utc::now()) == Window::Open && !paused {
         return Err(AppError::Conflict(
@@ -134,12 +138,12 @@ fn reconcile_error(e: anyhow::Error) -> AppError {
 }
 
 async fn set_paused(state: &AppState, id: &str, paused: bool) -> AppResult<Json<Activity>> {
-    load(state, id).await?;
+    let activity = load(state, id).await?;
     state.activities.set_paused(id, paused).await?;
     // MySQL first: a preload reads the flag from there. Then the live switch.
     let loaded = state
         .stock
-        .set_paused(id, paused)
+        .set_paused(id, activity.stock_shards, paused)
         .await
         .map_err(redis_down)?;
     if !loaded {
@@ -175,10 +179,11 @@ pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> AppRe
         .await?
         .into_iter()
         .collect();
-    let live = match state.stock.snapshot(&id).await {
+    let live = match state.stock.snapshot(&id, activity.stock_shards).await {
         Ok(s) => json!({
-            "loaded": s.stock.is_some() && s.state.is_some(),
+            "loaded": s.loaded(),
             "redis_stock": s.stock,
+            "redis_stock_by_shard": s.shard_stock,
             "redis_state": s.state,
             "reservations_pending": s.pending,
             "buyers": s.buyers,

@@ -48,7 +48,11 @@ pub async fn status(
     let activity = activity_for(&state, &sku, now)?;
     // Redis holds the live figures; when it cannot answer (or lost the activity)
     // the database's count is the honest fallback.
-    let live = state.stock.snapshot(&activity.id).await.ok();
+    let live = state
+        .stock
+        .snapshot(&activity.id, activity.stock_shards)
+        .await
+        .ok();
     let stock_left = live
         .as_ref()
         .and_then(|s| s.stock)
@@ -161,7 +165,7 @@ async fn reserve_and_publish(
     quantity: u32,
     now: DateTime<Utc>,
 ) -> AppResult<Reserved> {
-    let new_id = uuid::Uuid::now_v7().simple().to_string();
+    let new_id = crate::stock::new_reservation_id(&user.id, activity.stock_shards);
     let outcome = match state
         .stock
         .reserve(
@@ -277,7 +281,7 @@ async fn reserve_and_publish(
 /// reservation stays acknowledged on the primary and its message makes it an
 /// order, which the user's reservation status shows.
 async fn replicated(state: &AppState, activity_id: &str, reservation_id: &str) -> AppResult<()> {
-    match state.stock.replicated(activity_id).await {
+    match state.stock.replicated(activity_id, reservation_id).await {
         Ok(true) => Ok(()),
         other => {
             tracing::warn!(?other, %reservation_id, "replicas did not acknowledge the reservation in time");
@@ -376,7 +380,7 @@ pub async fn reservation(
     }
     let pending = state
         .stock
-        .reservation_of(&activity.id, &user.id)
+        .reservation_of(&activity.id, activity.stock_shards, &user.id)
         .await
         .map_err(|e| {
             tracing::warn!(error = %e, "reservation lookup failed");

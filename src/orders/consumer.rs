@@ -336,7 +336,10 @@ pub fn parse(payload: Option<&[u8]>) -> Result<Incoming, String> {
     let bytes = payload.ok_or("empty payload")?;
     let m: ReservationMessage =
         serde_json::from_slice(bytes).map_err(|e| format!("invalid reservation message: {e}"))?;
-    if !is_valid_id(&m.reservation_id) || !is_valid_id(&m.activity_id) || !is_valid_id(&m.user_id) {
+    if !crate::stock::is_valid_reservation_id(&m.reservation_id)
+        || !is_valid_id(&m.activity_id)
+        || !is_valid_id(&m.user_id)
+    {
         return Err("invalid identifier in reservation message".into());
     }
     if m.quantity == 0 {

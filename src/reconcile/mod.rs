@@ -46,6 +46,9 @@ const EXPIRED_BATCH: usize = 500;
 const REBUILD_RETRY: Duration = Duration::from_secs(1);
 /// How long one pass keeps retrying MySQL for the orders it honours.
 const HONOUR_TIMEOUT: Duration = Duration::from_secs(10);
+/// A transfer between stock shards older than this was left half done by its
+/// borrower (a borrower finishes its own within one round trip).
+const TRANSFER_GRACE_MS: i64 = 2_000;
 
 /// What one pass found and did, for the operator.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -74,6 +77,8 @@ pub struct Report {
     pub superseded: usize,
     /// Reservations MySQL had no units for (incidents).
     pub no_units: usize,
+    /// Transfers between stock shards that the reconciler finished.
+    pub transfers_finished: u64,
     pub mysql: MysqlFigures,
     pub redis: Option<Audit>,
     /// Redis stock minus what MySQL implies (0 when they agree).
@@ -131,7 +136,10 @@ impl Reconciler {
         };
         // Redis first, then the lag: a rebuild needs every message published
         // before the loss was seen to have reached MySQL.
-        let snapshot = self.stock.snapshot(&activity.id).await?;
+        let snapshot = self
+            .stock
+            .snapshot(&activity.id, activity.stock_shards)
+            .await?;
         report.consumer_lag = match queue::consumer_lag(&self.kafka).await {
             Ok(lag) => Some(lag),
             Err(err) => {
@@ -139,10 +147,16 @@ impl Reconciler {
                 None
             }
         };
-        report.loaded = snapshot.stock.is_some() && snapshot.state.is_some();
+        report.loaded = snapshot.loaded();
         if !report.loaded {
-            self.recover(activity, PreloadMode::Missing, &mut report)
-                .await?;
+            // A split activity with some shards lost: the others still sell and
+            // hold reservations, so it is rebuilt whole, as over a stale state.
+            let mode = if snapshot.partly_loaded() {
+                PreloadMode::Force
+            } else {
+                PreloadMode::Missing
+            };
+            self.recover(activity, mode, &mut report).await?;
             return Ok(report);
         }
         // A state older than MySQL's last build: a primary that went back in time
@@ -163,6 +177,14 @@ impl Reconciler {
             }
         }
         self.decide_expired(activity, &mut report).await?;
+        report.transfers_finished = self
+            .stock
+            .finish_transfers(
+                &activity.id,
+                activity.stock_shards,
+                Utc::now().timestamp_millis() - TRANSFER_GRACE_MS,
+            )
+            .await?;
         self.audit(activity, &mut report).await?;
         Ok(report)
     }
@@ -208,7 +230,9 @@ impl Reconciler {
         if fresh.auto_paused || !fresh.paused {
             report.resumed = self.activities.auto_resume(&activity.id).await?;
             // Whoever built the state, it should now be open.
-            self.stock.set_paused(&activity.id, false).await?;
+            self.stock
+                .set_paused(&activity.id, activity.stock_shards, false)
+                .await?;
         }
         Ok(())
     }
@@ -253,12 +277,18 @@ impl Reconciler {
         if mode == PreloadMode::Force {
             // No new reservation while the pending ones are decided and the state
             // is replaced; `preload.lua` leaves alone a sale reopened meanwhile.
-            self.stock.set_paused(&activity.id, true).await?;
+            self.stock
+                .set_paused(&activity.id, activity.stock_shards, true)
+                .await?;
         }
         let built = self.replace_state(&fresh, mode).await;
         if mode == PreloadMode::Force && !matches!(built, Ok(Rebuild::Built(_))) {
             // Put the switch back as MySQL has it.
-            if let Err(err) = self.stock.set_paused(&activity.id, fresh.paused).await {
+            if let Err(err) = self
+                .stock
+                .set_paused(&activity.id, activity.stock_shards, fresh.paused)
+                .await
+            {
                 tracing::warn!(error = %err, activity_id = %activity.id, "could not restore the live switch");
             }
         }
@@ -287,7 +317,10 @@ impl Reconciler {
             .build_snapshot(&activity.id)
             .await?
             .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
-        let built = self.stock.preload(&activity.id, &build, mode).await?;
+        let built = self
+            .stock
+            .preload(&activity.id, activity.stock_shards, &build, mode)
+            .await?;
         Ok(if built {
             Rebuild::Built(build)
         } else {
@@ -321,7 +354,12 @@ impl Reconciler {
         loop {
             let expired = self
                 .stock
-                .expired_pending(&activity.id, before_ms, EXPIRED_BATCH)
+                .expired_pending(
+                    &activity.id,
+                    activity.stock_shards,
+                    before_ms,
+                    EXPIRED_BATCH,
+                )
                 .await?;
             let Some(oldest) = expired.first().map(|p| p.reservation_id.clone()) else {
                 return Ok(());
@@ -331,7 +369,7 @@ impl Reconciler {
                 return Ok(());
             }
             oldest_seen = Some(oldest);
-            let full = expired.len() == EXPIRED_BATCH;
+            let full = expired.len() >= EXPIRED_BATCH;
             report.expired_pending += expired.len();
             let (acked, unacked): (Vec<_>, Vec<_>) = expired
                 .into_iter()
@@ -416,11 +454,12 @@ impl Reconciler {
                 total - live
             ));
         }
+        let shards = activity.stock_shards;
         let audit = self
             .stock
-            .audit(&activity.id, total, live, &owed, None)
+            .audit(&activity.id, shards, total, live, &owed)
             .await?;
-        report.redis = Some(audit);
+        report.redis = Some(audit.clone());
         if !audit.loaded {
             return Ok(());
         }
@@ -445,13 +484,7 @@ impl Reconciler {
         }
         let repaired = self
             .stock
-            .audit(
-                &activity.id,
-                total,
-                live,
-                &owed,
-                Some((audit.stock, audit.pending_units)),
-            )
+            .repair(&activity.id, shards, total, live, &owed, &audit)
             .await?;
         report.repaired = repaired.repaired;
         if repaired.repaired {
@@ -498,6 +531,7 @@ impl Reconciler {
                             || r.withdrawn > 0
                             || r.honoured > 0
                             || r.rebuilt
+                            || r.transfers_finished > 0
                             || !r.refused.is_empty() =>
                     {
                         tracing::info!(report = ?r, "reconcile pass");

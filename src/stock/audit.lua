@@ -1,6 +1,7 @@
 -- Compare an activity's Redis stock with what MySQL implies, and optionally repair it.
 --
--- KEYS[1] stock, KEYS[2] pending, KEYS[3] res, KEYS[4] refunded
+-- KEYS[1] stock, KEYS[2] pending, KEYS[3] res, KEYS[4] refunded, KEYS[5] lent,
+-- KEYS[6] received
 -- ARGV[1] the activity's total stock
 -- ARGV[2] units held by live orders in MySQL (pending_payment + paid)
 -- ARGV[3] mode: "read", or "repair" to set the stock to the expected value, only
@@ -11,10 +12,14 @@
 --
 -- Everything Redis knows is read here in one atomic step:
 --   expected = total - live - pending units - units owed back (not yet refunded)
--- Returns {loaded (0/1), stock, pending units, owed units, expected, repaired (0/1)}.
+--              - units lent to sibling shards + units received from them
+-- (For one shard of a split activity the caller passes as "total - live" what the
+-- whole activity's count leaves for this shard once its siblings are counted.)
+-- Returns {loaded (0/1), stock, pending units, owed units, expected, repaired (0/1),
+--          units lent, units received}.
 local stock = redis.call("GET", KEYS[1])
 if not stock then
-  return {0, 0, 0, 0, 0, 0}
+  return {0, 0, 0, 0, 0, 0, 0, 0}
 end
 stock = tonumber(stock)
 local pending = 0
@@ -30,11 +35,19 @@ for i = 6, #ARGV, 2 do
     owed = owed + tonumber(ARGV[i + 1])
   end
 end
-local expected = tonumber(ARGV[1]) - tonumber(ARGV[2]) - pending - owed
+local lent = 0
+for _, v in ipairs(redis.call("HVALS", KEYS[5])) do
+  lent = lent + tonumber(string.match(v, "^(%d+)"))
+end
+local received = 0
+for _, v in ipairs(redis.call("HVALS", KEYS[6])) do
+  received = received + tonumber(v)
+end
+local expected = tonumber(ARGV[1]) - tonumber(ARGV[2]) - pending - owed - lent + received
 local repaired = 0
 if ARGV[3] == "repair" and stock ~= expected
    and stock == tonumber(ARGV[4]) and pending == tonumber(ARGV[5]) and expected >= 0 then
   redis.call("SET", KEYS[1], expected)
   repaired = 1
 end
-return {1, stock, pending, owed, expected, repaired}
+return {1, stock, pending, owed, expected, repaired, lent, received}

@@ -5,6 +5,8 @@
 -- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded
 -- ARGV[1] reservation id, ARGV[2] user id
 -- ARGV[3] MySQL's available units when it refused (committed, under the lock)
+-- ARGV[4] (split activities) the units the sibling shards still hold, stock and
+--         pending, as read just before: they are MySQL's too
 --
 -- The cap is MySQL's available minus the units of reservations still pending here
 -- (each will take its units from MySQL). Reservations MySQL already holds but not
@@ -32,7 +34,7 @@ for _, rid in ipairs(redis.call("ZRANGE", KEYS[3], 0, -1)) do
     pending = pending + tonumber(string.match(detail, "|(%d+)"))
   end
 end
-local cap = math.max(tonumber(ARGV[3]) - pending, 0)
+local cap = math.max(tonumber(ARGV[3]) - pending - tonumber(ARGV[4] or "0"), 0)
 if stock > cap then
   redis.call("SET", KEYS[1], cap)
   return stock - cap

@@ -1,52 +1,27 @@
 //! Redis side of the sale: the keys of one activity and the Lua scripts that change
 //! them atomically.
 //!
-//! Every key of an activity carries the hash tag `{<activity_id>}`, so on Redis
-//! Cluster they share one slot and a script may touch them all. Scripts are sent with
+//! Every key of an activity carries the hash tag `{<activity_id>}` (or, for an
+//! activity split over stock shards, one of `{<activity_id>#<k>}`: see `keys`), so
+//! on Redis Cluster the keys a script touches share one slot. Scripts are sent with
 //! EVALSHA; `redis::Script` loads them and retries once on NOSCRIPT, so a flushed
 //! script cache costs one extra round trip, never a failed request.
 
 mod conn;
+mod keys;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use redis::{AsyncCommands, RedisResult, Script};
 
 pub use conn::RedisConn;
+pub use keys::{deal, home_shard, is_valid_reservation_id, new_reservation_id, shard_of, Keys};
 
 /// One script argument, encoded as Redis would.
 fn arg<T: redis::ToRedisArgs>(value: T) -> Vec<u8> {
     value.to_redis_args().concat()
-}
-
-/// The Redis keys of one activity.
-#[derive(Debug, Clone)]
-pub struct Keys {
-    pub stock: String,
-    pub buyers: String,
-    pub pending: String,
-    pub res: String,
-    pub refunded: String,
-    pub state: String,
-    pub epoch: String,
-    pub barrier: String,
-}
-
-impl Keys {
-    pub fn new(activity_id: &str) -> Self {
-        let base = format!("flash:{{{activity_id}}}");
-        Keys {
-            stock: format!("{base}:stock"),
-            buyers: format!("{base}:buyers"),
-            pending: format!("{base}:pending"),
-            res: format!("{base}:res"),
-            refunded: format!("{base}:refunded"),
-            state: format!("{base}:state"),
-            epoch: format!("{base}:epoch"),
-            barrier: format!("{base}:barrier"),
-        }
-    }
 }
 
 /// What the reserve script decided.
@@ -64,6 +39,15 @@ pub enum ReserveOutcome {
     Paused,
 }
 
+/// What `reserve.lua` answered on one shard.
+enum ShardReserve {
+    Done(ReserveOutcome),
+    /// Fewer units left on this shard than asked for.
+    Dry {
+        left: i64,
+    },
+}
+
 /// Which preload: see `preload.lua`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PreloadMode {
@@ -73,8 +57,8 @@ pub enum PreloadMode {
     Missing,
 }
 
-/// What `audit.lua` found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+/// What `audit.lua` found, summed over the activity's shards.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Audit {
     pub loaded: bool,
     pub stock: i64,
@@ -82,6 +66,29 @@ pub struct Audit {
     pub owed_units: i64,
     pub expected: i64,
     pub repaired: bool,
+    /// Units lent between shards and not yet received (split activities).
+    pub in_transit: i64,
+    /// Each shard's figures, as read (one entry when the activity is not split).
+    #[serde(skip)]
+    pub parts: Vec<ShardAudit>,
+}
+
+/// One shard's figures in an audit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShardAudit {
+    pub loaded: bool,
+    pub stock: i64,
+    pub pending_units: i64,
+    pub owed_units: i64,
+    pub lent: i64,
+    pub received: i64,
+}
+
+impl ShardAudit {
+    /// The units this shard accounts for: no transfer between shards changes it.
+    fn holds(&self) -> i64 {
+        self.stock + self.pending_units + self.owed_units + self.lent - self.received
+    }
 }
 
 /// Where a pending reservation stands (see `fate.lua`).
@@ -153,16 +160,32 @@ pub enum RefundOutcome {
     NotLoaded,
 }
 
-/// A read-only view of an activity's Redis state.
+/// A read-only view of an activity's Redis state, summed over its shards.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StockSnapshot {
-    /// `None` when the key is missing (not loaded).
+    /// `None` when the key is missing (not loaded) on any shard.
     pub stock: Option<i64>,
+    /// "paused" when any shard is paused; `None` when missing on any shard.
     pub state: Option<String>,
     pub pending: u64,
     pub buyers: u64,
-    /// Which build from MySQL this state is (`None`: built before epochs).
+    /// Which build from MySQL this state is: the oldest over the shards (`None`:
+    /// built before epochs).
     pub epoch: Option<u32>,
+    /// Each shard's units left (`None`: not loaded), shard 0 first.
+    pub shard_stock: Vec<Option<i64>>,
+}
+
+impl StockSnapshot {
+    /// Whether every shard holds the activity.
+    pub fn loaded(&self) -> bool {
+        self.stock.is_some() && self.state.is_some()
+    }
+
+    /// Whether some shards hold the activity and others lost it.
+    pub fn partly_loaded(&self) -> bool {
+        !self.loaded() && self.shard_stock.iter().any(Option::is_some)
+    }
 }
 
 /// A reservation's details: "user|units|fate".
@@ -230,6 +253,8 @@ pub struct StockStore {
     fate: Lua,
     confirm: Lua,
     lower: Lua,
+    lend: Lua,
+    receive: Lua,
 }
 
 impl StockStore {
@@ -244,6 +269,8 @@ impl StockStore {
             fate: Lua::new(include_str!("fate.lua")),
             confirm: Lua::new(include_str!("confirm.lua")),
             lower: Lua::new(include_str!("lower.lua")),
+            lend: Lua::new(include_str!("lend.lua")),
+            receive: Lua::new(include_str!("receive.lua")),
         }
     }
 
@@ -304,40 +331,160 @@ impl StockStore {
         }
     }
 
-    /// Runs the reserve script: already bought → enough stock → decrement → record
-    /// the buyer and a pending reservation, as one atomic step.
+    /// Reserves `quantity` units for a user, under a reservation id from
+    /// `new_reservation_id` (which names the user's home shard). On the home
+    /// shard, one atomic step: already bought → enough stock → decrement → record
+    /// the buyer and a pending reservation. A split activity's home shard that
+    /// runs dry borrows what it lacks from its siblings in turn (`lend.lua`) and
+    /// receives it in the same step as the reservation; sold out only when no
+    /// shard has the units.
     pub async fn reserve(
         &self,
         activity_id: &str,
         user_id: &str,
         quantity: u32,
-        new_reservation_id: &str,
+        reservation_id: &str,
         now_ms: i64,
     ) -> RedisResult<ReserveOutcome> {
-        let k = Keys::new(activity_id);
+        let home = Keys::of_reservation(activity_id, reservation_id);
+        let (_, shards) = shard_of(reservation_id);
+        let reserve = |transfer: Option<(String, i64, String)>| {
+            self.reserve_on(&home, user_id, quantity, reservation_id, now_ms, transfer)
+        };
+        let mut left = match reserve(None).await? {
+            ShardReserve::Done(outcome) => return Ok(outcome),
+            ShardReserve::Dry { left } => left,
+        };
+        for step in 1..shards {
+            let lender = Keys::shard(activity_id, shards, (home.shard + step) % shards);
+            let transfer = format!("{reservation_id}>{}", lender.shard);
+            let need = i64::from(quantity) - left;
+            let (lent, epoch): (i64, String) = self
+                .run(
+                    &self.lend,
+                    &[&lender.stock, &lender.lent, &lender.epoch],
+                    &[arg(&transfer), arg(need), arg(home.shard), arg(now_ms)],
+                )
+                .await?;
+            match lent {
+                -3 => return Ok(ReserveOutcome::NotLoaded),
+                0 => continue,
+                _ => {}
+            }
+            metrics::counter!("stock_shard_transfers_total").increment(1);
+            left = match reserve(Some((transfer, lent, epoch))).await? {
+                ShardReserve::Done(outcome) => return Ok(outcome),
+                ShardReserve::Dry { left } => left,
+            };
+        }
+        Ok(ReserveOutcome::SoldOut)
+    }
+
+    async fn reserve_on(
+        &self,
+        k: &Keys,
+        user_id: &str,
+        quantity: u32,
+        reservation_id: &str,
+        now_ms: i64,
+        transfer: Option<(String, i64, String)>,
+    ) -> RedisResult<ShardReserve> {
+        let mut args = vec![
+            arg(user_id),
+            arg(quantity),
+            arg(reservation_id),
+            arg(now_ms),
+        ];
+        if let Some((id, units, epoch)) = transfer {
+            args.extend([arg(id), arg(units), arg(epoch)]);
+        }
         let (code, value): (i64, String) = self
             .run(
                 &self.reserve,
-                &[&k.stock, &k.buyers, &k.pending, &k.res, &k.state],
                 &[
-                    arg(user_id),
-                    arg(quantity),
-                    arg(new_reservation_id),
-                    arg(now_ms),
+                    &k.stock,
+                    &k.buyers,
+                    &k.pending,
+                    &k.res,
+                    &k.state,
+                    &k.received,
+                    &k.epoch,
                 ],
+                &args,
             )
             .await?;
-        Ok(match code {
+        Ok(ShardReserve::Done(match code {
             1 => ReserveOutcome::Reserved {
                 reservation_id: value,
             },
             0 => ReserveOutcome::AlreadyReserved {
                 reservation_id: value,
             },
-            -1 => ReserveOutcome::SoldOut,
+            -1 => {
+                return Ok(ShardReserve::Dry {
+                    left: value.parse().unwrap_or(0),
+                })
+            }
             -4 => ReserveOutcome::Paused,
             _ => ReserveOutcome::NotLoaded,
-        })
+        }))
+    }
+
+    /// Finishes the transfers between shards that their borrower left half done
+    /// (lent more than `older_than_ms` ago and not marked done): receives each
+    /// once on its borrower, then marks it done on its lender. Returns how many
+    /// were received now.
+    pub async fn finish_transfers(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        older_than_ms: i64,
+    ) -> RedisResult<u64> {
+        if shards <= 1 {
+            return Ok(0);
+        }
+        let mut received = 0;
+        for lender in Keys::all(activity_id, shards) {
+            let mut conn = self.conn.clone();
+            let (lent, epoch): (HashMap<String, String>, Option<String>) = redis::pipe()
+                .hgetall(&lender.lent)
+                .get(&lender.epoch)
+                .query_async(&mut conn)
+                .await?;
+            let epoch = epoch.unwrap_or_default();
+            for (transfer, detail) in lent {
+                let mut fields = detail.split('|');
+                let (Some(units), Some(to), Some(at), None) =
+                    (fields.next(), fields.next(), fields.next(), fields.next())
+                else {
+                    continue; // done, or not ours
+                };
+                let (Ok(to), Ok(at)) = (to.parse::<u8>(), at.parse::<i64>()) else {
+                    continue;
+                };
+                if at > older_than_ms || to >= shards {
+                    continue;
+                }
+                let borrower = Keys::shard(activity_id, shards, to);
+                let n: i64 = self
+                    .run(
+                        &self.receive,
+                        &[&borrower.stock, &borrower.received, &borrower.epoch],
+                        &[arg(&transfer), arg(units), arg(&epoch)],
+                    )
+                    .await?;
+                if n == 1 {
+                    received += 1;
+                    metrics::counter!("stock_shard_transfers_finished_total").increment(1);
+                }
+                if n >= 0 {
+                    let _: () = conn
+                        .hset(&lender.lent, &transfer, format!("{detail}|done"))
+                        .await?;
+                }
+            }
+        }
+        Ok(received)
     }
 
     /// Returns a reservation's units exactly once (see `refund.lua` for the modes).
@@ -349,7 +496,7 @@ impl StockStore {
         quantity: u32,
         mode: RefundMode,
     ) -> RedisResult<RefundOutcome> {
-        let k = Keys::new(activity_id);
+        let k = Keys::of_reservation(activity_id, reservation_id);
         let mode = match mode {
             RefundMode::Undo => "undo",
             RefundMode::Return => "return",
@@ -383,38 +530,38 @@ impl StockStore {
         activity_id: &str,
         orders: &[(String, String, u32)],
     ) -> RedisResult<u64> {
-        if orders.is_empty() {
-            return Ok(0);
+        let mut adopted = 0;
+        for (k, orders) in by_shard(activity_id, orders, |o| &o.0) {
+            let mut args = Vec::with_capacity(orders.len() * 3);
+            for (reservation, user, units) in orders {
+                args.extend([arg(reservation), arg(user), arg(*units)]);
+            }
+            let n: u64 = self
+                .run(
+                    &self.confirm,
+                    &[&k.stock, &k.buyers, &k.pending, &k.res],
+                    &args,
+                )
+                .await?;
+            adopted += n;
         }
-        let k = Keys::new(activity_id);
-        let mut args = Vec::with_capacity(orders.len() * 3);
-        for (reservation, user, units) in orders {
-            args.extend([arg(reservation), arg(user), arg(*units)]);
-        }
-        self.run(
-            &self.confirm,
-            &[&k.stock, &k.buyers, &k.pending, &k.res],
-            &args,
-        )
-        .await
+        Ok(adopted)
     }
 
     /// Drops pending marks without touching stock, buyers or refunds: for
     /// reservations MySQL decided as failed already (the reconciler's drift repair
     /// settles their units against MySQL's count).
     pub async fn release(&self, activity_id: &str, reservation_ids: &[String]) -> RedisResult<()> {
-        if reservation_ids.is_empty() {
-            return Ok(());
+        for (k, ids) in by_shard(activity_id, reservation_ids, |r| r) {
+            let mut conn = self.conn.clone();
+            let _: () = redis::pipe()
+                .zrem(&k.pending, &ids)
+                .ignore()
+                .hdel(&k.res, &ids)
+                .ignore()
+                .query_async(&mut conn)
+                .await?;
         }
-        let k = Keys::new(activity_id);
-        let mut conn = self.conn.clone();
-        let _: () = redis::pipe()
-            .zrem(&k.pending, reservation_ids)
-            .ignore()
-            .hdel(&k.res, reservation_ids)
-            .ignore()
-            .query_async(&mut conn)
-            .await?;
         Ok(())
     }
 
@@ -426,7 +573,7 @@ impl StockStore {
         reservation_id: &str,
         ack: bool,
     ) -> RedisResult<FateChange> {
-        let k = Keys::new(activity_id);
+        let k = Keys::of_reservation(activity_id, reservation_id);
         let n: i64 = self
             .run(
                 &self.fate,
@@ -446,7 +593,8 @@ impl StockStore {
 
     /// MySQL refused the reservation for lack of units: drops it and lowers the
     /// stock to what MySQL still has (`available`), never raising it. Returns the
-    /// units the stock was lowered by (`None`: done before).
+    /// units the stock was lowered by (`None`: done before). For a split activity
+    /// the units its other shards hold are read first and left to them.
     pub async fn lower(
         &self,
         activity_id: &str,
@@ -454,27 +602,40 @@ impl StockStore {
         user_id: &str,
         available: i64,
     ) -> RedisResult<Option<i64>> {
-        let k = Keys::new(activity_id);
+        let k = Keys::of_reservation(activity_id, reservation_id);
+        let (_, shards) = shard_of(reservation_id);
+        let mut others = 0;
+        for sibling in Keys::all(activity_id, shards) {
+            if sibling.shard != k.shard {
+                let part = self.audit_shard(&sibling, 0, &[], None).await?;
+                others += part.stock.max(0) + part.pending_units;
+            }
+        }
         let n: i64 = self
             .run(
                 &self.lower,
                 &[&k.stock, &k.buyers, &k.pending, &k.res, &k.refunded],
-                &[arg(reservation_id), arg(user_id), arg(available)],
+                &[
+                    arg(reservation_id),
+                    arg(user_id),
+                    arg(available),
+                    arg(others),
+                ],
             )
             .await?;
         Ok((n >= 0).then_some(n))
     }
 
-    /// Whether the configured replicas hold every write made to the activity's
-    /// primary so far (the caller's reservation among them): `true` at once when
-    /// no replicas are required. A bump of `…:barrier` on a barrier connection,
-    /// then `WAIT` on that same connection (on a Cluster, at the primary that owns
-    /// the activity's slot).
-    pub async fn replicated(&self, activity_id: &str) -> RedisResult<bool> {
+    /// Whether the configured replicas hold every write made to the reservation's
+    /// primary so far (the reservation among them): `true` at once when no
+    /// replicas are required. A bump of `…:barrier` on a barrier connection, then
+    /// `WAIT` on that same connection (on a Cluster, at the primary that owns the
+    /// slot of the reservation's shard).
+    pub async fn replicated(&self, activity_id: &str, reservation_id: &str) -> RedisResult<bool> {
         let Some(b) = &self.barrier else {
             return Ok(true);
         };
-        let k = Keys::new(activity_id);
+        let k = Keys::of_reservation(activity_id, reservation_id);
         let i = b.next.fetch_add(1, Ordering::Relaxed) % b.conns.len();
         let mut conn = b.conns[i].clone();
         let _: i64 = conn.incr(&k.barrier, 1).await?;
@@ -484,65 +645,76 @@ impl StockStore {
         Ok(acked >= b.replicas)
     }
 
-    /// Builds the activity's Redis state from a MySQL snapshot (see `preload.lua`).
-    /// Returns whether it was built (`Missing` leaves a loaded activity alone).
+    /// Builds the activity's Redis state from a MySQL snapshot (see `preload.lua`):
+    /// a split activity's units are dealt evenly over its shards, each buyer to
+    /// their home shard. Returns whether every shard was built (`Missing` leaves a
+    /// loaded shard alone; `Force` one that is selling).
     pub async fn preload(
         &self,
         activity_id: &str,
+        shards: u8,
         build: &Build,
         mode: PreloadMode,
     ) -> RedisResult<bool> {
-        let k = Keys::new(activity_id);
-        let mut args = vec![
-            arg(build.available),
-            arg(if build.paused { "paused" } else { "open" }),
-            arg(match mode {
-                PreloadMode::Force => "force",
-                PreloadMode::Missing => "missing",
-            }),
-            arg(build.epoch),
-            arg(build.buyers.len()),
-        ];
-        for (user, reservation) in &build.buyers {
-            args.push(arg(user));
-            args.push(arg(reservation));
+        let units = deal(build.available, shards);
+        let mut all_built = true;
+        for (k, available) in Keys::all(activity_id, shards).into_iter().zip(units) {
+            let buyers: Vec<_> = build
+                .buyers
+                .iter()
+                .filter(|(user, _)| home_shard(user, shards) == k.shard)
+                .collect();
+            let mut args = vec![
+                arg(available),
+                arg(if build.paused { "paused" } else { "open" }),
+                arg(match mode {
+                    PreloadMode::Force => "force",
+                    PreloadMode::Missing => "missing",
+                }),
+                arg(build.epoch),
+                arg(buyers.len()),
+            ];
+            for (user, reservation) in buyers {
+                args.push(arg(user));
+                args.push(arg(reservation));
+            }
+            for reservation in &build.returned {
+                if shards <= 1 || shard_of(reservation).0 == k.shard {
+                    args.push(arg(reservation));
+                }
+            }
+            let built: i64 = self
+                .run(
+                    &self.preload,
+                    &[
+                        &k.stock,
+                        &k.buyers,
+                        &k.pending,
+                        &k.res,
+                        &k.refunded,
+                        &k.state,
+                        &k.epoch,
+                        &k.lent,
+                        &k.received,
+                    ],
+                    &args,
+                )
+                .await?;
+            all_built &= built == 1;
         }
-        for reservation in &build.returned {
-            args.push(arg(reservation));
-        }
-        let built: i64 = self
-            .run(
-                &self.preload,
-                &[
-                    &k.stock,
-                    &k.buyers,
-                    &k.pending,
-                    &k.res,
-                    &k.refunded,
-                    &k.state,
-                    &k.epoch,
-                ],
-                &args,
-            )
-            .await?;
-        Ok(built == 1)
+        Ok(all_built)
     }
 
-    /// Compares Redis's stock with what MySQL implies (see `audit.lua`); with
-    /// `repair = Some((stock, pending))` it also sets the expected value, if Redis
-    /// still holds exactly what the read saw.
-    pub async fn audit(
+    async fn audit_shard(
         &self,
-        activity_id: &str,
-        total: i64,
-        live_units: i64,
+        k: &Keys,
+        expected_total: i64,
         owed: &[(String, u32)],
-        repair: Option<(i64, i64)>,
-    ) -> RedisResult<Audit> {
-        let k = Keys::new(activity_id);
-        let mut args = vec![arg(total), arg(live_units)];
+        repair: Option<&ShardAudit>,
+    ) -> RedisResult<ShardAudit> {
+        let mut args = vec![arg(expected_total), arg(0)];
         match repair {
-            Some((stock, pending)) => args.extend([arg("repair"), arg(stock), arg(pending)]),
+            Some(seen) => args.extend([arg("repair"), arg(seen.stock), arg(seen.pending_units)]),
             None => args.extend([arg("read"), arg(0), arg(0)]),
         }
         for (reservation, units) in owed {
@@ -552,122 +724,241 @@ impl StockStore {
         let v: Vec<i64> = self
             .run(
                 &self.audit,
-                &[&k.stock, &k.pending, &k.res, &k.refunded],
+                &[
+                    &k.stock,
+                    &k.pending,
+                    &k.res,
+                    &k.refunded,
+                    &k.lent,
+                    &k.received,
+                ],
                 &args,
             )
             .await?;
         let at = |i: usize| v.get(i).copied().unwrap_or_default();
-        Ok(Audit {
+        Ok(ShardAudit {
             loaded: at(0) == 1,
             stock: at(1),
             pending_units: at(2),
             owed_units: at(3),
-            expected: at(4),
-            repaired: at(5) == 1,
+            lent: at(6),
+            received: at(7),
+        })
+        .map(|part| {
+            if repair.is_some() && at(5) != 1 {
+                // Not repaired: report it as a shard that changed meanwhile.
+                ShardAudit {
+                    loaded: false,
+                    ..part
+                }
+            } else {
+                part
+            }
         })
     }
 
-    /// Pending reservations older than `before_ms`, oldest first. Reservations
-    /// whose details are gone are dropped from the set.
+    /// Compares Redis's stock with what MySQL implies (see `audit.lua`): MySQL's
+    /// `total` units minus `live_units` in live orders must all be in Redis, for
+    /// sale, pending, owed back (`owed`: failed or cancelled orders' reservations
+    /// and units) or between shards.
+    pub async fn audit(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        total: i64,
+        live_units: i64,
+        owed: &[(String, u32)],
+    ) -> RedisResult<Audit> {
+        let mut audit = Audit {
+            loaded: true,
+            ..Audit::default()
+        };
+        for k in Keys::all(activity_id, shards) {
+            let owed = owed_on(owed, k.shard);
+            let part = self.audit_shard(&k, 0, &owed, None).await?;
+            audit.loaded &= part.loaded;
+            audit.stock += part.stock;
+            audit.pending_units += part.pending_units;
+            audit.owed_units += part.owed_units;
+            audit.in_transit += part.lent - part.received;
+            audit.parts.push(part);
+        }
+        audit.expected =
+            total - live_units - audit.pending_units - audit.owed_units - audit.in_transit;
+        Ok(audit)
+    }
+
+    /// Sets the stock to what MySQL implies, given what `audit` read (`seen`):
+    /// on one shard (the one with the most units when lowering), only if that
+    /// shard still holds exactly what the read saw (compare-and-set). Returns the
+    /// audit with `repaired` set.
+    pub async fn repair(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        total: i64,
+        live_units: i64,
+        owed: &[(String, u32)],
+        seen: &Audit,
+    ) -> RedisResult<Audit> {
+        let mut done = seen.clone();
+        let drift = seen.stock - seen.expected;
+        let target = if drift > 0 {
+            seen.parts
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, p)| p.stock)
+                .map_or(0, |(i, _)| i)
+        } else {
+            0
+        };
+        let (Some(part), Ok(shard)) = (seen.parts.get(target), u8::try_from(target)) else {
+            return Ok(done);
+        };
+        let others: i64 = seen
+            .parts
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != target)
+            .map(|(_, p)| p.holds())
+            .sum();
+        let k = Keys::shard(activity_id, shards, shard);
+        let owed = owed_on(owed, k.shard);
+        let after = self
+            .audit_shard(&k, total - live_units - others, &owed, Some(part))
+            .await?;
+        done.repaired = after.loaded;
+        Ok(done)
+    }
+
+    /// Pending reservations older than `before_ms`, oldest first on each shard
+    /// (at most `limit` a shard). Reservations whose details are gone are dropped
+    /// from the set.
     pub async fn expired_pending(
         &self,
         activity_id: &str,
+        shards: u8,
         before_ms: i64,
         limit: usize,
     ) -> RedisResult<Vec<PendingReservation>> {
-        let k = Keys::new(activity_id);
-        let mut conn = self.conn.clone();
-        let ids: Vec<String> = redis::cmd("ZRANGEBYSCORE")
-            .arg(&k.pending)
-            .arg("-inf")
-            .arg(before_ms)
-            .arg("LIMIT")
-            .arg(0)
-            .arg(limit)
-            .query_async(&mut conn)
-            .await?;
-        if ids.is_empty() {
-            return Ok(Vec::new());
-        }
-        let details: Vec<Option<String>> = redis::cmd("HMGET")
-            .arg(&k.res)
-            .arg(&ids)
-            .query_async(&mut conn)
-            .await?;
-        let mut out = Vec::with_capacity(ids.len());
-        let mut junk = Vec::new();
-        for (id, detail) in ids.into_iter().zip(details) {
-            match detail.as_deref().and_then(parse_detail) {
-                Some((user_id, units, fate)) => out.push(PendingReservation {
-                    reservation_id: id,
-                    user_id,
-                    units,
-                    fate,
-                }),
-                None => junk.push(id),
+        let mut out = Vec::new();
+        for k in Keys::all(activity_id, shards) {
+            let mut conn = self.conn.clone();
+            let ids: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+                .arg(&k.pending)
+                .arg("-inf")
+                .arg(before_ms)
+                .arg("LIMIT")
+                .arg(0)
+                .arg(limit)
+                .query_async(&mut conn)
+                .await?;
+            if ids.is_empty() {
+                continue;
             }
-        }
-        if !junk.is_empty() {
-            let _: () = conn.zrem(&k.pending, &junk).await?;
+            let details: Vec<Option<String>> = redis::cmd("HMGET")
+                .arg(&k.res)
+                .arg(&ids)
+                .query_async(&mut conn)
+                .await?;
+            let mut junk = Vec::new();
+            for (id, detail) in ids.into_iter().zip(details) {
+                match detail.as_deref().and_then(parse_detail) {
+                    Some((user_id, units, fate)) => out.push(PendingReservation {
+                        reservation_id: id,
+                        user_id,
+                        units,
+                        fate,
+                    }),
+                    None => junk.push(id),
+                }
+            }
+            if !junk.is_empty() {
+                let _: () = conn.zrem(&k.pending, &junk).await?;
+            }
         }
         Ok(out)
     }
 
-    /// Sets the live open/paused switch, only if the activity is loaded.
-    /// Returns whether it was loaded.
-    pub async fn set_paused(&self, activity_id: &str, paused: bool) -> RedisResult<bool> {
-        let k = Keys::new(activity_id);
-        let mut conn = self.conn.clone();
-        let set: Option<String> = redis::cmd("SET")
-            .arg(&k.state)
-            .arg(if paused { "paused" } else { "open" })
-            .arg("XX")
-            .query_async(&mut conn)
-            .await?;
-        Ok(set.is_some())
+    /// Sets the live open/paused switch on every shard that holds the activity.
+    /// Returns whether every shard did.
+    pub async fn set_paused(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        paused: bool,
+    ) -> RedisResult<bool> {
+        let mut all = true;
+        for k in Keys::all(activity_id, shards) {
+            let mut conn = self.conn.clone();
+            let set: Option<String> = redis::cmd("SET")
+                .arg(&k.state)
+                .arg(if paused { "paused" } else { "open" })
+                .arg("XX")
+                .query_async(&mut conn)
+                .await?;
+            all &= set.is_some();
+        }
+        Ok(all)
     }
 
     /// Units Redis may still hand out; `None` when not loaded.
-    pub async fn stock_left(&self, activity_id: &str) -> RedisResult<Option<i64>> {
-        let k = Keys::new(activity_id);
-        let mut conn = self.conn.clone();
-        conn.get(&k.stock).await
+    pub async fn stock_left(&self, activity_id: &str, shards: u8) -> RedisResult<Option<i64>> {
+        Ok(self.snapshot(activity_id, shards).await?.stock)
     }
 
-    pub async fn snapshot(&self, activity_id: &str) -> RedisResult<StockSnapshot> {
-        let k = Keys::new(activity_id);
-        let mut conn = self.conn.clone();
-        // One slot, so one pipeline works on Cluster too.
-        let (stock, state, pending, buyers, epoch): (
-            Option<i64>,
-            Option<String>,
-            u64,
-            u64,
-            Option<u32>,
-        ) = redis::pipe()
-            .get(&k.stock)
-            .get(&k.state)
-            .zcard(&k.pending)
-            .hlen(&k.buyers)
-            .get(&k.epoch)
-            .query_async(&mut conn)
-            .await?;
-        Ok(StockSnapshot {
-            stock,
-            state,
-            pending,
-            buyers,
-            epoch,
-        })
+    pub async fn snapshot(&self, activity_id: &str, shards: u8) -> RedisResult<StockSnapshot> {
+        let mut snap = StockSnapshot {
+            stock: Some(0),
+            state: Some("open".into()),
+            pending: 0,
+            buyers: 0,
+            epoch: None,
+            shard_stock: Vec::new(),
+        };
+        for (i, k) in Keys::all(activity_id, shards).into_iter().enumerate() {
+            let mut conn = self.conn.clone();
+            // One slot, so one pipeline works on Cluster too.
+            let (stock, state, pending, buyers, epoch): (
+                Option<i64>,
+                Option<String>,
+                u64,
+                u64,
+                Option<u32>,
+            ) = redis::pipe()
+                .get(&k.stock)
+                .get(&k.state)
+                .zcard(&k.pending)
+                .hlen(&k.buyers)
+                .get(&k.epoch)
+                .query_async(&mut conn)
+                .await?;
+            snap.stock = snap.stock.zip(stock).map(|(a, b)| a + b);
+            snap.state = match (snap.state, state) {
+                (Some(a), Some(b)) if a == "paused" || b == "paused" => Some("paused".into()),
+                (Some(_), Some(b)) => Some(b),
+                _ => None,
+            };
+            snap.pending += pending;
+            snap.buyers += buyers;
+            snap.epoch = if i == 0 {
+                epoch
+            } else {
+                snap.epoch.zip(epoch).map(|(a, b)| a.min(b))
+            };
+            snap.shard_stock.push(stock);
+        }
+        Ok(snap)
     }
 
-    /// The reservation id this user holds in Redis, if any.
+    /// The reservation id this user holds in Redis, if any (on their home shard).
     pub async fn reservation_of(
         &self,
         activity_id: &str,
+        shards: u8,
         user_id: &str,
     ) -> RedisResult<Option<String>> {
-        let k = Keys::new(activity_id);
+        let k = Keys::shard(activity_id, shards, home_shard(user_id, shards));
         let mut conn = self.conn.clone();
         conn.hget(&k.buyers, user_id).await
     }
@@ -677,6 +968,32 @@ impl StockStore {
         let _: String = redis::cmd("PING").query_async(&mut conn).await?;
         Ok(())
     }
+}
+
+/// The owed reservations (id, units) that live on shard `k`.
+fn owed_on(owed: &[(String, u32)], k: u8) -> Vec<(String, u32)> {
+    owed.iter()
+        .filter(|(r, _)| shard_of(r).0 == k)
+        .cloned()
+        .collect()
+}
+
+/// Groups items by the shard of the reservation id `rid` reads from each, in
+/// the order the shards first appear.
+fn by_shard<'a, T>(
+    activity_id: &str,
+    items: &'a [T],
+    rid: impl Fn(&'a T) -> &'a String,
+) -> Vec<(Keys, Vec<&'a T>)> {
+    let mut groups: Vec<(Keys, Vec<&'a T>)> = Vec::new();
+    for item in items {
+        let k = Keys::of_reservation(activity_id, rid(item));
+        match groups.iter_mut().find(|(g, _)| g.stock == k.stock) {
+            Some((_, group)) => group.push(item),
+            None => groups.push((k, vec![item])),
+        }
+    }
+    groups
 }
 
 #[cfg(test)]

@@ -1,7 +1,9 @@
 -- (Re)build an activity's Redis state from MySQL, as one atomic step.
 --
 -- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded,
--- KEYS[6] state, KEYS[7] epoch
+-- KEYS[6] state, KEYS[7] epoch, KEYS[8] lent, KEYS[9] received
+-- (A split activity runs it once per shard, each with its share of the units and
+-- of the buyers.)
 -- ARGV[1] units still available in MySQL
 -- ARGV[2] state ("open" | "paused")
 -- ARGV[3] "force" to replace what is there unless it is selling (state "open":
@@ -24,7 +26,7 @@ end
 if ARGV[3] == "force" and redis.call("GET", KEYS[6]) == "open" then
   return 0
 end
-redis.call("DEL", KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call("DEL", KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[8], KEYS[9])
 local n = tonumber(ARGV[5])
 for i = 6, 5 + 2 * n, 2 do
   redis.call("HSET", KEYS[2], ARGV[i], ARGV[i + 1])

@@ -7,12 +7,18 @@
 --                   fate: "p" published or not yet known, "a" acknowledged (a 202 was
 --                   answered: it must become an order), "w" being withdrawn (see fate.lua)
 -- KEYS[5] state     (string "open" | "paused")
+-- KEYS[6] received  (hash transfer id -> units)   units received from sibling shards
+-- KEYS[7] epoch     (string)   which build from MySQL this state is
 -- ARGV[1] user id, ARGV[2] quantity (>= 1), ARGV[3] new reservation id, ARGV[4] now (ms)
+-- ARGV[5], ARGV[6], ARGV[7] (optional, split activities) a transfer from a sibling
+--         shard to receive first: its id, its units, the lender's epoch. Received
+--         once whatever the retries, and only into the same build it was lent
+--         from (a rebuild in between wiped the loan with everything else).
 --
 -- Returns {code, value}:
 --   { 1, reservation_id }  reserved
 --   { 0, reservation_id }  this user already holds a reservation (the existing id)
---   {-1, "" }              sold out (fewer units left than asked for)
+--   {-1, units left }      sold out here (fewer units left than asked for)
 --   {-3, "" }              not loaded: a key is missing; never read as "sold out"
 --   {-4, "" }              paused
 local state = redis.call("GET", KEYS[5])
@@ -23,6 +29,10 @@ local stock = redis.call("GET", KEYS[1])
 if not stock then
   return {-3, ""}
 end
+if ARGV[5] and redis.call("GET", KEYS[7]) == ARGV[7]
+   and redis.call("HSETNX", KEYS[6], ARGV[5], ARGV[6]) == 1 then
+  stock = redis.call("INCRBY", KEYS[1], ARGV[6])
+end
 if state == "paused" then
   return {-4, ""}
 end
@@ -32,7 +42,7 @@ if existing then
 end
 local q = tonumber(ARGV[2])
 if tonumber(stock) < q then
-  return {-1, ""}
+  return {-1, tostring(stock)}
 end
 redis.call("DECRBY", KEYS[1], q)
 redis.call("HSET", KEYS[2], ARGV[1], ARGV[3])

@@ -9,7 +9,10 @@
 //!    cancelled for non-payment), never `failed`, never missing; and no withdrawn
 //!    reservation is also an order.
 //! 4. Conservation: Redis stock + live units = stock = MySQL available + live
-//!    units (nothing is pending once quiet).
+//!    units (nothing is pending, and no unit is between stock shards, once quiet).
+//!
+//! Redis is read through the service's own `StockStore`, summed over the sale's
+//! stock shards, on one node or a Cluster.
 //!
 //! And every answer is a documented one.
 
@@ -107,21 +110,37 @@ impl Probe {
             .map_err(|e| format!("Redis: {e:#}"))
     }
 
+    /// The sale's Redis state, summed over its stock shards: (snapshot, units
+    /// lent between shards and not yet received).
+    async fn redis_state(
+        &self,
+        pool: &sqlx::MySqlPool,
+    ) -> Result<(flashsale::stock::StockSnapshot, i64), String> {
+        let (shards,): (u8,) = sqlx::query_as("SELECT stock_shards FROM activities WHERE id = ?")
+            .bind(&self.activity_id)
+            .fetch_one(pool)
+            .await
+            .map_err(|e| e.to_string())?;
+        let store = flashsale::stock::StockStore::new(self.redis().await?);
+        let snapshot = store
+            .snapshot(&self.activity_id, shards)
+            .await
+            .map_err(|e| e.to_string())?;
+        let audit = store
+            .audit(&self.activity_id, shards, 0, 0, &[])
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((snapshot, audit.in_transit))
+    }
+
     /// One look: `Ok(None)` when quiet, else what is still moving.
     async fn unquiet(&self) -> Result<Option<String>, String> {
         let lag = flashsale::queue::consumer_lag(&self.kafka)
             .await
             .map_err(|e| e.to_string())?;
-        let keys = flashsale::stock::Keys::new(&self.activity_id);
-        let mut conn = self.redis().await?;
-        let (pending, stock, state): (i64, Option<i64>, Option<String>) = redis::pipe()
-            .zcard(&keys.pending)
-            .get(&keys.stock)
-            .get(&keys.state)
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| e.to_string())?;
         let pool = self.pool().await?;
+        let (snapshot, in_transit) = self.redis_state(&pool).await?;
+        let (pending, stock, state) = (snapshot.pending, snapshot.stock, snapshot.state);
         let (owed, overdue): (i64, i64) = sqlx::query_as(
             "SELECT \
                CAST(COALESCE(SUM(units_returned = FALSE AND status IN ('failed', 'cancelled')), 0) AS SIGNED), \
@@ -135,12 +154,13 @@ impl Probe {
         pool.close().await;
         let quiet = lag == 0
             && pending == 0
+            && in_transit == 0
             && stock.is_some()
             && state.as_deref() == Some("open")
             && owed == 0
             && overdue == 0;
         Ok((!quiet).then(|| {
-            format!("lag {lag}, pending {pending}, stock {stock:?}, state {state:?}, owed {owed}, overdue {overdue}")
+            format!("lag {lag}, pending {pending}, in transit {in_transit}, stock {stock:?}, state {state:?}, owed {owed}, overdue {overdue}")
         }))
     }
 
@@ -215,6 +235,7 @@ impl Probe {
         .fetch_one(&pool)
         .await
         .map_err(|e| e.to_string())?;
+        let (snapshot, _) = self.redis_state(&pool).await?;
         pool.close().await;
         f.withdrawn = withdrawn;
 
@@ -239,20 +260,13 @@ impl Probe {
             fate.insert(reservation, status);
         }
 
-        let keys = flashsale::stock::Keys::new(&self.activity_id);
-        let mut conn = self.redis().await?;
-        let redis_stock: Option<i64> = redis::cmd("GET")
-            .arg(&keys.stock)
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| e.to_string())?;
-        let redis_stock = redis_stock.ok_or("Redis does not hold the activity")?;
+        let redis_stock = snapshot.stock.ok_or("Redis does not hold the activity")?;
 
         // 1. No oversell.
         if live_units > stock {
             problems.push(format!("oversell: {live_units} live units for {stock}"));
         }
-        if redis_stock < 0 || available < 0 {
+        if snapshot.shard_stock.iter().flatten().any(|s| *s < 0) || available < 0 {
             problems.push(format!(
                 "negative stock: redis {redis_stock}, mysql {available}"
             ));

@@ -7,6 +7,8 @@ use serde_json::{json, Value};
 pub struct Sale {
     pub id: String,
     pub sku: String,
+    /// How many stock shards its Redis state is split over.
+    pub shards: u8,
 }
 
 /// What to sell; `SaleSpec::new(stock)` for the usual: one per user, open now
@@ -18,6 +20,8 @@ pub struct SaleSpec {
     pub stock: u32,
     pub per_user_limit: u32,
     pub payment_timeout_secs: u32,
+    /// Stock shards (`"stock_shards"`, API version 2); 1 keeps one hash tag.
+    pub stock_shards: u8,
 }
 
 impl SaleSpec {
@@ -27,6 +31,7 @@ impl SaleSpec {
             stock,
             per_user_limit: 1,
             payment_timeout_secs: 900,
+            stock_shards: 1,
         }
     }
 }
@@ -51,6 +56,7 @@ pub async fn open_sale(
             "starts_at": now - chrono::Duration::seconds(5),
             "ends_at": now + chrono::Duration::hours(1),
             "payment_timeout_secs": spec.payment_timeout_secs,
+            "stock_shards": spec.stock_shards,
         }))
         .send()
         .await
@@ -74,5 +80,9 @@ pub async fn open_sale(
     if !resp.status().is_success() {
         return Err(format!("preload the sale: {}", resp.status()));
     }
-    Ok(Sale { id, sku })
+    Ok(Sale {
+        id,
+        sku,
+        shards: spec.stock_shards,
+    })
 }

@@ -120,7 +120,14 @@ async fn preload_pause_resume_and_live_figures() {
     assert_eq!(resp.status(), StatusCode::OK);
     let body: Value = resp.json().await.expect("json");
     assert_eq!(body, json!({"stock": 7, "buyers": 0}));
-    assert_eq!(app.redis_stock(&id).await, Some(7));
+    assert_eq!(
+        app.state
+            .stock
+            .stock_left(&id, 1)
+            .await
+            .expect("redis answers"),
+        Some(7)
+    );
 
     // Loaded, open and not paused: a rebuild would race reservations in flight.
     let resp = app

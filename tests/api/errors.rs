@@ -96,7 +96,7 @@ async fn bad_tokens_get_401() {
         .expect("sent");
     assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
 
-    assert_eq!(app.redis_stock(&sale.id).await, Some(5), "nothing was held");
+    assert_eq!(app.redis_stock(&sale).await, Some(5), "nothing was held");
     app.stop().await;
 }
 
@@ -153,8 +153,13 @@ async fn bad_bodies_get_422_or_413() {
         .expect("sent");
     assert_error(resp, StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large").await;
 
-    assert_eq!(app.redis_stock(&sale.id).await, Some(5), "nothing was held");
-    let snap = app.state.stock.snapshot(&sale.id).await.expect("snapshot");
+    assert_eq!(app.redis_stock(&sale).await, Some(5), "nothing was held");
+    let snap = app
+        .state
+        .stock
+        .snapshot(&sale.id, sale.shards)
+        .await
+        .expect("snapshot");
     assert_eq!(snap.buyers, 0);
     app.stop().await;
 }

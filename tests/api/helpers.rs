@@ -154,6 +154,13 @@ impl TestApp {
         self.open_sale_with(stock, per_user_limit, 900).await
     }
 
+    /// A sale as `spec` says, open and loaded.
+    pub async fn open_sale_spec(&self, spec: &testkit::sale::SaleSpec) -> Sale {
+        testkit::sale::open_sale(&self.client, &self.address, &self.admin_token(), spec)
+            .await
+            .expect("a sale opens")
+    }
+
     /// `open_sale` with a payment window of its own.
     pub async fn open_sale_with(
         &self,
@@ -162,10 +169,9 @@ impl TestApp {
         payment_timeout_secs: u32,
     ) -> Sale {
         let spec = testkit::sale::SaleSpec {
-            sku: None,
-            stock,
             per_user_limit,
             payment_timeout_secs,
+            ..testkit::sale::SaleSpec::new(stock)
         };
         testkit::sale::open_sale(&self.client, &self.address, &self.admin_token(), &spec)
             .await
@@ -183,10 +189,10 @@ impl TestApp {
         req.send().await.expect("request sent")
     }
 
-    pub async fn redis_stock(&self, activity_id: &str) -> Option<i64> {
+    pub async fn redis_stock(&self, sale: &Sale) -> Option<i64> {
         self.state
             .stock
-            .stock_left(activity_id)
+            .stock_left(&sale.id, sale.shards)
             .await
             .expect("redis answers")
     }

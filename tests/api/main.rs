@@ -9,3 +9,4 @@ mod orders;
 mod rate_limit;
 mod reconcile;
 mod reserve;
+mod shards;

@@ -107,7 +107,12 @@ async fn seed_scenario_ends_as_ten_orders() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     // The pending marks were cleared once MySQL held the orders.
     let snap = eventually(WAIT, "pending marks cleared", || async {
-        let s = app.state.stock.snapshot(&sale.id).await.expect("snapshot");
+        let s = app
+            .state
+            .stock
+            .snapshot(&sale.id, sale.shards)
+            .await
+            .expect("snapshot");
         (s.pending == 0).then_some(s)
     })
     .await;
@@ -219,7 +224,7 @@ async fn redis_ahead_of_mysql_fails_the_excess() {
     assert_eq!(counts.get("failed"), Some(&3), "{counts:?}");
     assert_eq!(db_available(&app, &sale.id).await, 0);
     let snap = eventually(WAIT, "the failed to leave Redis's pending set", || async {
-        let s = app.state.stock.snapshot(&sale.id).await.ok()?;
+        let s = app.state.stock.snapshot(&sale.id, sale.shards).await.ok()?;
         (s.pending == 0).then_some(s)
     })
     .await;
@@ -278,8 +283,13 @@ async fn mysql_outage_delays_orders_without_refunds() {
         (relay.refused() >= 3).then_some(())
     })
     .await;
-    assert_eq!(app.redis_stock(&sale.id).await, Some(5), "nothing refunded");
-    let snap = app.state.stock.snapshot(&sale.id).await.expect("snapshot");
+    assert_eq!(app.redis_stock(&sale).await, Some(5), "nothing refunded");
+    let snap = app
+        .state
+        .stock
+        .snapshot(&sale.id, sale.shards)
+        .await
+        .expect("snapshot");
     assert_eq!(snap.pending, 5);
 
     relay.up();
@@ -289,7 +299,7 @@ async fn mysql_outage_delays_orders_without_refunds() {
     assert_eq!(counts.get("failed"), None);
     assert_eq!(db_available(&app, &sale.id).await, 5);
     assert_eq!(
-        app.redis_stock(&sale.id).await,
+        app.redis_stock(&sale).await,
         Some(5),
         "still nothing refunded"
     );
@@ -364,7 +374,13 @@ async fn a_lapsed_unit_is_sold_again() {
     assert_error(resp, StatusCode::CONFLICT, "already_reserved").await;
     // The unit is on sale again.
     eventually(WAIT, "the unit back in Redis", || async {
-        (app.redis_stock(&id).await == Some(1)).then_some(())
+        (app.state
+            .stock
+            .stock_left(&id, 1)
+            .await
+            .expect("redis answers")
+            == Some(1))
+        .then_some(())
     })
     .await;
     assert_eq!(
@@ -478,7 +494,11 @@ async fn payments_race_the_sweeper() {
         "DB units back for the cancelled only"
     );
     assert_eq!(
-        app.redis_stock(&id).await,
+        app.state
+            .stock
+            .stock_left(&id, 1)
+            .await
+            .expect("redis answers"),
         Some(cancelled),
         "Redis units back once each"
     );

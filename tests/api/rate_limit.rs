@@ -50,7 +50,7 @@ async fn a_user_over_quota_gets_429_while_another_is_served() {
         StatusCode::ACCEPTED,
         "another user is served"
     );
-    assert_eq!(app.redis_stock(&sale.id).await, Some(8));
+    assert_eq!(app.redis_stock(&sale).await, Some(8));
     app.stop().await;
 }
 

@@ -71,7 +71,7 @@ async fn a_reservation_that_never_reached_the_queue_is_withdrawn_once() {
     })
     .await;
     drained(&app).await;
-    assert_eq!(app.redis_stock(&sale.id).await, Some(3));
+    assert_eq!(app.redis_stock(&sale).await, Some(3));
 
     let report = reconcile(&app, &sale.id).await;
     assert_eq!(report["expired_pending"], 1, "{report}");
@@ -79,13 +79,13 @@ async fn a_reservation_that_never_reached_the_queue_is_withdrawn_once() {
     assert_eq!(report["honoured"], 0, "{report}");
     assert_eq!(report["drift"], 0, "{report}");
     assert_eq!(
-        app.redis_stock(&sale.id).await,
+        app.redis_stock(&sale).await,
         Some(4),
         "the ghost's unit is back"
     );
     let again = reconcile(&app, &sale.id).await;
     assert_eq!(again["expired_pending"], 0, "{again}");
-    assert_eq!(app.redis_stock(&sale.id).await, Some(4), "returned once");
+    assert_eq!(app.redis_stock(&sale).await, Some(4), "returned once");
 
     // The late message loses: no order, no second refund.
     app.state
@@ -112,7 +112,7 @@ async fn a_reservation_that_never_reached_the_queue_is_withdrawn_once() {
     .expect("withdrawals");
     assert_eq!(withdrawn, 1);
     assert_eq!(db_available(&app, &sale.id).await, 4);
-    assert_eq!(app.redis_stock(&sale.id).await, Some(4));
+    assert_eq!(app.redis_stock(&sale).await, Some(4));
     // Nothing was ever acknowledged to the ghost: its right is back.
     assert_eq!(
         app.reserve(&sale.sku, "ghost", None).await.status(),
@@ -145,8 +145,13 @@ async fn an_acknowledged_reservation_is_honoured_when_the_consumer_is_down() {
     let counts = order_counts(&app, &sale.id).await;
     assert_eq!(counts.get("pending_payment"), Some(&1), "{counts:?}");
     assert_eq!(db_available(&app, &sale.id).await, 4);
-    assert_eq!(app.redis_stock(&sale.id).await, Some(4));
-    let snap = app.state.stock.snapshot(&sale.id).await.expect("snapshot");
+    assert_eq!(app.redis_stock(&sale).await, Some(4));
+    let snap = app
+        .state
+        .stock
+        .snapshot(&sale.id, sale.shards)
+        .await
+        .expect("snapshot");
     assert_eq!(snap.pending, 0);
     // The message, consumed late, changes nothing.
     let late = flashsale::orders::Incoming {
@@ -195,11 +200,7 @@ async fn stock_drift_is_reported_and_repaired_when_safe() {
     let report = reconcile(&app, &sale.id).await;
     assert_eq!(report["drift"], 2, "{report}");
     assert_eq!(report["repaired"], true, "{report}");
-    assert_eq!(
-        app.redis_stock(&sale.id).await,
-        Some(7),
-        "10 units - 3 orders"
-    );
+    assert_eq!(app.redis_stock(&sale).await, Some(7), "10 units - 3 orders");
     let report = reconcile(&app, &sale.id).await;
     assert_eq!(report["drift"], 0, "{report}");
     assert_eq!(report["repaired"], false);
@@ -245,7 +246,7 @@ async fn redis_loss_pauses_rebuilds_and_resumes() {
     assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
     // The 503 woke the reconciler: rebuilt and resumed without an operator.
     eventually(WAIT, "the rebuild", || async {
-        (app.redis_stock(&sale.id).await == Some(4)).then_some(())
+        (app.redis_stock(&sale).await == Some(4)).then_some(())
     })
     .await;
     let activity = eventually(WAIT, "the automatic resume", || async {
@@ -261,7 +262,7 @@ async fn redis_loss_pauses_rebuilds_and_resumes() {
         app.reserve(&sale.sku, "late", None).await.status(),
         StatusCode::ACCEPTED
     );
-    assert_eq!(app.redis_stock(&sale.id).await, Some(3));
+    assert_eq!(app.redis_stock(&sale).await, Some(3));
     app.stop().await;
 }
 
@@ -284,7 +285,7 @@ async fn script_flush_fails_no_request() {
             StatusCode::ACCEPTED
         );
     }
-    assert_eq!(app.redis_stock(&sale.id).await, Some(30));
+    assert_eq!(app.redis_stock(&sale).await, Some(30));
     app.stop().await;
 }
 
@@ -318,7 +319,7 @@ async fn an_older_build_in_redis_is_detected_and_rebuilt() {
     let report = reconcile(&app, &sale.id).await;
     assert_eq!(report["stale"], true, "{report}");
     assert_eq!(report["rebuilt"], true, "{report}");
-    assert_eq!(app.redis_stock(&sale.id).await, Some(4));
+    assert_eq!(app.redis_stock(&sale).await, Some(4));
     let activity = app
         .state
         .activities

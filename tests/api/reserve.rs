@@ -12,7 +12,7 @@ use crate::helpers::{assert_error, read_topic, spawn_app, spawn_app_with, OwnBro
 
 /// Fires `clicks` concurrent reserve requests for each of `users` users and returns
 /// (user, status, body) for every answer.
-async fn crowd(
+pub(crate) async fn crowd(
     app: &crate::helpers::TestApp,
     sku: &str,
     users: usize,
@@ -84,8 +84,13 @@ async fn seed_test_200_requests_for_10_units() {
         assert_eq!(body["activity_id"], sale.id.as_str());
     }
 
-    assert_eq!(app.redis_stock(&sale.id).await, Some(0), "Redis stock is 0");
-    let snap = app.state.stock.snapshot(&sale.id).await.expect("snapshot");
+    assert_eq!(app.redis_stock(&sale).await, Some(0), "Redis stock is 0");
+    let snap = app
+        .state
+        .stock
+        .snapshot(&sale.id, sale.shards)
+        .await
+        .expect("snapshot");
     assert_eq!(snap.buyers, 10, "10 buyers recorded");
     assert_eq!(snap.pending, 10, "10 reservations pending");
 
@@ -139,7 +144,7 @@ async fn scale_4000_requests_for_100_units() {
     assert!(answers
         .iter()
         .all(|(_, s, _)| *s == StatusCode::ACCEPTED || *s == StatusCode::CONFLICT));
-    assert_eq!(app.redis_stock(&sale.id).await, Some(0));
+    assert_eq!(app.redis_stock(&sale).await, Some(0));
     let messages = read_topic(&app.settings.kafka.topic).await;
     assert_eq!(messages.len(), 100, "one message per reservation");
     let users: HashSet<_> = messages.iter().map(|m| m.user_id.as_str()).collect();
@@ -161,7 +166,7 @@ async fn a_winner_repeating_gets_the_same_reservation() {
     let body = assert_error(again, StatusCode::CONFLICT, "already_reserved").await;
     assert_eq!(body["reservation_id"], id.as_str());
     assert_eq!(
-        app.redis_stock(&sale.id).await,
+        app.redis_stock(&sale).await,
         Some(4),
         "a retry holds no second unit"
     );
@@ -190,13 +195,13 @@ async fn quantity_up_to_the_per_user_limit() {
     assert_eq!(resp.status(), StatusCode::ACCEPTED);
     let body: Value = resp.json().await.expect("json");
     assert_eq!(body["quantity"], 3);
-    assert_eq!(app.redis_stock(&sale.id).await, Some(2));
+    assert_eq!(app.redis_stock(&sale).await, Some(2));
     // Two left: asking for three is sold out, not a partial reservation.
     let resp = app
         .reserve(&sale.sku, "carol", Some(json!({"quantity": 3})))
         .await;
     assert_error(resp, StatusCode::CONFLICT, "sold_out").await;
-    assert_eq!(app.redis_stock(&sale.id).await, Some(2));
+    assert_eq!(app.redis_stock(&sale).await, Some(2));
     let messages = read_topic(&app.settings.kafka.topic).await;
     assert_eq!(messages.len(), 1);
     assert_eq!(messages[0].quantity, 3);
@@ -211,7 +216,7 @@ async fn refund_twice_returns_one_unit() {
     assert_eq!(resp.status(), StatusCode::ACCEPTED);
     let body: Value = resp.json().await.expect("json");
     let id = body["reservation_id"].as_str().expect("id");
-    assert_eq!(app.redis_stock(&sale.id).await, Some(2));
+    assert_eq!(app.redis_stock(&sale).await, Some(2));
 
     let refund = || {
         app.state
@@ -222,11 +227,7 @@ async fn refund_twice_returns_one_unit() {
     assert_eq!(first, RefundOutcome::Returned { units: 1 });
     let second = refund().await.expect("refund");
     assert_eq!(second, RefundOutcome::AlreadyRefunded);
-    assert_eq!(
-        app.redis_stock(&sale.id).await,
-        Some(3),
-        "one unit back, once"
-    );
+    assert_eq!(app.redis_stock(&sale).await, Some(3), "one unit back, once");
     // Undoing a reservation that is not pending (the answer of a reserve that never
     // ran) returns nothing.
     let unknown = app
@@ -236,7 +237,7 @@ async fn refund_twice_returns_one_unit() {
         .await
         .expect("refund");
     assert_eq!(unknown, RefundOutcome::NothingToUndo);
-    assert_eq!(app.redis_stock(&sale.id).await, Some(3));
+    assert_eq!(app.redis_stock(&sale).await, Some(3));
     // The purchase right was kept: the same user cannot reserve again.
     let again = app.reserve(&sale.sku, "dave", None).await;
     assert_error(again, StatusCode::CONFLICT, "already_reserved").await;
@@ -261,7 +262,15 @@ async fn sold_out_is_not_confused_with_not_loaded() {
     // Open, but never preloaded: Redis has no key, which must not read as zero.
     let resp = app.reserve(&sku, "erin", None).await;
     assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
-    assert_eq!(app.redis_stock(&id).await, None, "nothing was written");
+    assert_eq!(
+        app.state
+            .stock
+            .stock_left(&id, 1)
+            .await
+            .expect("redis answers"),
+        None,
+        "nothing was written"
+    );
     app.stop().await;
 }
 
@@ -278,7 +287,7 @@ async fn broker_down_answers_503_and_holds_no_stock() {
     let sale = app.open_sale(10, 1).await;
     let ok = app.reserve(&sale.sku, "frank", None).await;
     assert_eq!(ok.status(), StatusCode::ACCEPTED);
-    assert_eq!(app.redis_stock(&sale.id).await, Some(9));
+    assert_eq!(app.redis_stock(&sale).await, Some(9));
 
     broker.kill();
 
@@ -287,12 +296,13 @@ async fn broker_down_answers_503_and_holds_no_stock() {
     assert!(body["message"]
         .as_str()
         .is_some_and(|m| !m.contains("127.0.0.1")));
-    assert_eq!(
-        app.redis_stock(&sale.id).await,
-        Some(9),
-        "the unit came back"
-    );
-    let snap = app.state.stock.snapshot(&sale.id).await.expect("snapshot");
+    assert_eq!(app.redis_stock(&sale).await, Some(9), "the unit came back");
+    let snap = app
+        .state
+        .stock
+        .snapshot(&sale.id, sale.shards)
+        .await
+        .expect("snapshot");
     assert_eq!(snap.pending, 1, "only frank's reservation is pending");
     assert_eq!(snap.buyers, 1, "grace may try again");
     let readyz = app

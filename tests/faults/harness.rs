@@ -61,6 +61,8 @@ pub struct Setup {
     /// The services connect as a user of their own (privileges can be revoked).
     pub own_mysql_user: bool,
     pub payment_timeout_secs: u32,
+    /// The sale's stock shards (`"stock_shards"`).
+    pub stock_shards: u8,
     pub env: Vec<(String, String)>,
 }
 
@@ -89,6 +91,8 @@ pub struct Run {
     pub db: String,
     pub kafka: KafkaSettings,
     pub activity_id: String,
+    /// The sale's stock shards.
+    pub shards: u8,
     pub sku: String,
     pub admin: String,
     pub client: reqwest::Client,
@@ -269,6 +273,7 @@ pub async fn scenario(fault: &dyn Fault) -> Result<Row, String> {
     let mut setup = Setup {
         services: 1,
         payment_timeout_secs: 900,
+        stock_shards: 1,
         ..Setup::default()
     };
     fault.prepare(&mut setup);
@@ -416,6 +421,7 @@ async fn start(setup: &Setup) -> Result<Run, String> {
         db,
         kafka,
         activity_id: String::new(),
+        shards: 1,
         sku: String::new(),
         admin,
         client: reqwest::Client::builder()
@@ -471,10 +477,12 @@ async fn start(setup: &Setup) -> Result<Run, String> {
     }
     let spec = SaleSpec {
         payment_timeout_secs: setup.payment_timeout_secs,
+        stock_shards: setup.stock_shards,
         ..SaleSpec::new(STOCK)
     };
     let sale = open_sale(&run.client, &run.base(), &run.admin, &spec).await?;
     run.activity_id = sale.id;
+    run.shards = sale.shards;
     run.sku = sale.sku;
     Ok(run)
 }

@@ -2,6 +2,10 @@
 //! that owns the sale's slot is SIGKILLed mid-sale; the cluster promotes one of
 //! its replicas, the other follows it, and the sale goes on. With
 //! `redis.min_replicas_acked = 1` every `202` was on a replica first.
+//!
+//! Its second form sells a sale split over 3 stock shards (one per primary) and
+//! kills the primary of shard 1 mid-sale: the other shards keep selling and
+//! lending, and nothing is lost.
 
 use std::time::Duration;
 
@@ -9,24 +13,37 @@ use futures::future::BoxFuture;
 
 use crate::harness::{Fault, Run, Setup};
 
-pub struct ClusterFailover;
+pub struct ClusterFailover {
+    /// The sale's stock shards; the primary of the last one is killed.
+    pub shards: u8,
+}
 
 impl Fault for ClusterFailover {
     fn id(&self) -> &'static str {
-        "cluster_failover"
+        if self.shards > 1 {
+            "cluster_shard_failover"
+        } else {
+            "cluster_failover"
+        }
     }
     fn name(&self) -> &'static str {
-        "redis cluster primary killed, replica promoted"
+        if self.shards > 1 {
+            "3 stock shards, one shard's primary killed"
+        } else {
+            "redis cluster primary killed, replica promoted"
+        }
     }
     fn prepare(&self, setup: &mut Setup) {
         setup.redis_cluster = true;
+        setup.stock_shards = self.shards;
         setup.set("FLASHSALE__REDIS__MIN_REPLICAS_ACKED", 1);
         // Above a fresh replica's first acknowledgement interval (1 s).
         setup.set("FLASHSALE__REDIS__REPLICA_ACK_TIMEOUT_MS", 1000);
     }
     fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
-            let key = flashsale::stock::Keys::new(&run.activity_id).stock;
+            let key =
+                flashsale::stock::Keys::shard(&run.activity_id, run.shards, run.shards - 1).stock;
             let cluster = run.cluster.as_mut().ok_or("no cluster")?;
             let primary = cluster.primary_for(&key).ok_or("no primary for the sale")?;
             cluster.kill(primary);

@@ -38,6 +38,7 @@ pub fn all() -> Vec<Arc<dyn Fault>> {
         Arc::new(mysql_privileges_revoked::MysqlPrivilegesRevoked),
         Arc::new(redis_failover::RedisFailover),
         Arc::new(preload_during_sale::PreloadDuringSale),
-        Arc::new(cluster_failover::ClusterFailover),
+        Arc::new(cluster_failover::ClusterFailover { shards: 1 }),
+        Arc::new(cluster_failover::ClusterFailover { shards: 3 }),
     ]
 }

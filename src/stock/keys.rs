@@ -1,0 +1,187 @@
+//! Where an activity's Redis state lives.
+//!
+//! An activity with one stock shard (the default) keeps every key under the hash
+//! tag `{<activity_id>}`. One split over K shards keeps K complete sets of keys,
+//! one per hash tag `{<activity_id>#<k>}`, so on a Redis Cluster its reservations
+//! spread over up to K primaries:
+//! - each user has a home shard, a hash of their id, where their purchase right
+//!   and their reservation live: the per-user limit is checked in one slot, so it
+//!   stays exact whatever K is;
+//! - a reservation id names its shard (`<id>.<k>.<K>`), so whoever holds one (the
+//!   consumer, the sweeper, the reconciler) finds its keys without knowing the
+//!   activity;
+//! - a home shard that runs dry borrows units from a sibling (see `lend.lua`).
+
+/// The Redis keys of one shard of an activity.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    /// Which shard (0 for an activity that is not split).
+    pub shard: u8,
+    pub stock: String,
+    pub buyers: String,
+    pub pending: String,
+    pub res: String,
+    pub refunded: String,
+    pub state: String,
+    pub epoch: String,
+    pub barrier: String,
+    /// Units this shard lent to siblings: transfer id → "units|to|ms[|done]".
+    pub lent: String,
+    /// Units this shard received from siblings: transfer id → units.
+    pub received: String,
+}
+
+impl Keys {
+    /// The keys of an activity that is not split (one hash tag).
+    pub fn new(activity_id: &str) -> Self {
+        Self::with_tag(&format!("{{{activity_id}}}"), 0)
+    }
+
+    /// The keys of shard `k` of an activity split over `shards`.
+    pub fn shard(activity_id: &str, shards: u8, k: u8) -> Self {
+        if shards <= 1 {
+            Self::new(activity_id)
+        } else {
+            Self::with_tag(&format!("{{{activity_id}#{k}}}"), k)
+        }
+    }
+
+    /// The keys of every shard, shard 0 first.
+    pub fn all(activity_id: &str, shards: u8) -> Vec<Self> {
+        (0..shards.max(1))
+            .map(|k| Self::shard(activity_id, shards, k))
+            .collect()
+    }
+
+    /// The keys of the shard that holds this reservation.
+    pub fn of_reservation(activity_id: &str, reservation_id: &str) -> Self {
+        let (k, shards) = shard_of(reservation_id);
+        Self::shard(activity_id, shards, k)
+    }
+
+    fn with_tag(tag: &str, shard: u8) -> Self {
+        let base = format!("flash:{tag}");
+        Keys {
+            shard,
+            stock: format!("{base}:stock"),
+            buyers: format!("{base}:buyers"),
+            pending: format!("{base}:pending"),
+            res: format!("{base}:res"),
+            refunded: format!("{base}:refunded"),
+            state: format!("{base}:state"),
+            epoch: format!("{base}:epoch"),
+            barrier: format!("{base}:barrier"),
+            lent: format!("{base}:lent"),
+            received: format!("{base}:received"),
+        }
+    }
+}
+
+/// A user's home shard: FNV-1a (64 bits) of their id, modulo the shard count.
+/// Stable across instances, builds and platforms.
+pub fn home_shard(user_id: &str, shards: u8) -> u8 {
+    if shards <= 1 {
+        return 0;
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in user_id.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    // The remainder is below `shards`, which fits in a u8.
+    u8::try_from(h % u64::from(shards)).unwrap_or(0)
+}
+
+/// A new reservation id for this user: a time-ordered UUID, followed by the user's
+/// home shard when the activity is split.
+pub fn new_reservation_id(user_id: &str, shards: u8) -> String {
+    let id = uuid::Uuid::now_v7().simple().to_string();
+    if shards <= 1 {
+        id
+    } else {
+        format!("{id}.{}.{shards}", home_shard(user_id, shards))
+    }
+}
+
+/// (shard, shard count) named by a reservation id; `(0, 1)` for one that names
+/// none (an activity that is not split).
+pub fn shard_of(reservation_id: &str) -> (u8, u8) {
+    let mut parts = reservation_id.rsplitn(3, '.');
+    let (Some(count), Some(k), Some(_)) = (parts.next(), parts.next(), parts.next()) else {
+        return (0, 1);
+    };
+    match (k.parse::<u8>(), count.parse::<u8>()) {
+        (Ok(k), Ok(count)) if k < count => (k, count),
+        _ => (0, 1),
+    }
+}
+
+/// A reservation id as `new_reservation_id` makes them: an id (`[A-Za-z0-9_-]`),
+/// optionally followed by `.<k>.<K>` with k < K; 64 characters at most.
+pub fn is_valid_reservation_id(reservation_id: &str) -> bool {
+    let parts: Vec<&str> = reservation_id.split('.').collect();
+    reservation_id.len() <= 64
+        && match parts.as_slice() {
+            [id] => crate::activity::is_valid_id(id),
+            [id, _, _] => crate::activity::is_valid_id(id) && shard_of(reservation_id).1 > 1,
+            _ => false,
+        }
+}
+
+/// How `available` units are dealt over `shards` at a build: evenly, the first
+/// shards one more when it does not divide.
+pub fn deal(available: i64, shards: u8) -> Vec<i64> {
+    let n = i64::from(shards.max(1));
+    let (base, extra) = (available.max(0) / n, available.max(0) % n);
+    (0..n).map(|k| base + i64::from(k < extra)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_shard_keeps_the_old_keys() {
+        let k = Keys::shard("a1", 1, 0);
+        assert_eq!(k.stock, "flash:{a1}:stock");
+        assert_eq!(Keys::of_reservation("a1", "0192abcd").stock, k.stock);
+        assert_eq!(new_reservation_id("u", 1).len(), 32);
+    }
+
+    #[test]
+    fn reservations_name_their_shard() {
+        for user in ["alice", "bob", "carol", "u-1", "u-2"] {
+            let rid = new_reservation_id(user, 3);
+            let (k, n) = shard_of(&rid);
+            assert_eq!(n, 3);
+            assert_eq!(k, home_shard(user, 3));
+            let keys = Keys::of_reservation("a1", &rid);
+            assert_eq!(keys.stock, format!("flash:{{a1#{k}}}:stock"));
+        }
+        assert!(is_valid_reservation_id("0192abcd.2.3"));
+        assert!(is_valid_reservation_id("0192abcd"));
+        assert!(!is_valid_reservation_id("0192abcd.3.3"));
+        assert!(!is_valid_reservation_id("a.b"));
+        assert!(!is_valid_reservation_id(".1.3"));
+        assert_eq!(shard_of("x.3.3"), (0, 1));
+        assert_eq!(shard_of("x.a.3"), (0, 1));
+        assert_eq!(shard_of("plain"), (0, 1));
+    }
+
+    #[test]
+    fn users_spread_over_shards() {
+        let mut counts = [0u32; 3];
+        for i in 0..3000 {
+            counts[usize::from(home_shard(&format!("user-{i}"), 3))] += 1;
+        }
+        assert!(counts.iter().all(|c| (800..1200).contains(c)), "{counts:?}");
+    }
+
+    #[test]
+    fn dealing_conserves_units() {
+        assert_eq!(deal(10, 3), vec![4, 3, 3]);
+        assert_eq!(deal(2, 3), vec![1, 1, 0]);
+        assert_eq!(deal(7, 1), vec![7]);
+        assert_eq!(deal(100, 64).iter().sum::<i64>(), 100);
+    }
+}
