@@ -13,10 +13,12 @@
 //! - [`side`]: the "other business" sharing the database, a point query at a fixed rate;
 //! - [`machine`]: what the machine is, and where its CPU went during each run;
 //! - [`ceiling`]: `redis-benchmark` driving the service's reserve script;
+//! - [`cluster`]: the hot SKU on a Redis Cluster, one stock shard against three;
 //! - [`suite`] and [`report`]: the whole comparison and its markdown report.
 
 pub mod ceiling;
 pub mod client;
+pub mod cluster;
 pub mod loadgen;
 pub mod machine;
 pub mod report;

@@ -552,6 +552,11 @@ pub fn render(summary: &Summary) -> String {
          figure marks a noisy run.\n"
     );
 
+    if let Some(c) = &summary.cluster {
+        crate::cluster::render(&mut md, &c.plan, &c.runs);
+        md.push('\n');
+    }
+
     // ----------------------------------------------------------------- plots
     let _ = writeln!(md, "## Plots\n");
     let _ = writeln!(md, "![throughput per strategy](throughput.png)\n");

@@ -33,6 +33,7 @@ use tokio::process::{Child, Command};
 
 use crate::ceiling::{self, BrokerCeiling, RedisCeiling};
 use crate::client::{call_json, expect_json};
+use crate::cluster::{ClusterPlan, ShardRun};
 use crate::loadgen::LoadReport;
 use crate::machine::{self, CpuSampler, CpuWindow, Machine};
 use crate::server::{Announce, RateLimitMode, StrategyKind};
@@ -115,9 +116,23 @@ pub struct SuiteOptions {
     /// Seconds before a request without an answer counts as a timeout.
     #[arg(long, default_value_t = 10.0)]
     pub request_timeout: f64,
+    /// Units of the Cluster section's sale (sold with stock_shards 1, then 3 on a
+    /// Redis Cluster of its own); 0 skips the section.
+    #[arg(long, default_value_t = 2_000)]
+    pub cluster_units: u32,
+    /// Users of the Cluster section's sale (each clicks `small_clicks` times).
+    #[arg(long, default_value_t = 20_000)]
+    pub cluster_users: usize,
     /// Rate-limit layers of every server: off, or on with buckets that never refuse.
     #[arg(long, value_enum, default_value = "off")]
     pub rate_limits: RateLimitMode,
+}
+
+/// The Cluster section's plan and its two runs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClusterSection {
+    pub plan: ClusterPlan,
+    pub runs: Vec<ShardRun>,
 }
 
 /// A server-side verdict on a run.
@@ -168,6 +183,9 @@ pub struct Summary {
     /// One publish in flight, then as many as the load test's connections.
     pub broker_ceiling: Vec<BrokerCeiling>,
     pub strategies: Vec<StrategyResult>,
+    /// The hot SKU on a Redis Cluster, stock_shards 1 and 3 (`None`: skipped).
+    #[serde(default)]
+    pub cluster: Option<ClusterSection>,
 }
 
 impl Summary {
@@ -211,8 +229,10 @@ impl ServerChild {
         bin: &Path,
         opts: &SuiteOptions,
         strategy: StrategyKind,
+        env: &[(&str, String)],
     ) -> anyhow::Result<ServerChild> {
         let mut child = Command::new(bin)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .arg("--strategy")
             .arg(strategy.name())
             .arg("--config")
@@ -525,6 +545,33 @@ impl Suite {
         })
     }
 
+    /// The Cluster section: a Cluster of its own, the service on it, two sales.
+    async fn cluster(&mut self) -> anyhow::Result<ClusterSection> {
+        let plan = ClusterPlan {
+            units: self.opts.cluster_units,
+            users: self.opts.cluster_users,
+            clicks: self.opts.small_clicks,
+            connections: self.opts.concurrency,
+            request_timeout: Duration::from_secs_f64(self.opts.request_timeout),
+        };
+        let dir = self.runs_dir.join("cluster");
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("failed to create {}", dir.display()))?;
+        let nodes = crate::cluster::start_cluster(&dir).await?;
+        let server = ServerChild::start(
+            &self.server_bin,
+            &self.opts,
+            StrategyKind::Service,
+            &[("FLASHSALE__REDIS__URL", nodes.url())],
+        )
+        .await?;
+        let runs =
+            crate::cluster::run(&self.settings, &plan, &nodes, server.addr, server.pid()).await;
+        server.stop().await?;
+        drop(nodes);
+        Ok(ClusterSection { plan, runs: runs? })
+    }
+
     async fn strategy(&mut self, kind: StrategyKind) -> anyhow::Result<StrategyResult> {
         let mut result = StrategyResult {
             strategy: kind,
@@ -536,7 +583,7 @@ impl Suite {
             error: None,
         };
         eprintln!("== {}: starting the server", kind.name());
-        let server = ServerChild::start(&self.server_bin, &self.opts, kind).await?;
+        let server = ServerChild::start(&self.server_bin, &self.opts, kind, &[]).await?;
         if let Some(pid) = server.pid() {
             self.cpu.track("server", pid);
         }
@@ -909,6 +956,11 @@ pub async fn run(opts: SuiteOptions, command: String) -> anyhow::Result<Summary>
     for kind in opts.strategies.clone() {
         strategies.push(suite.strategy(kind).await?);
     }
+    let cluster = if opts.cluster_units > 0 {
+        Some(suite.cluster().await?)
+    } else {
+        None
+    };
 
     let Suite { cpu, side, .. } = suite;
     side.stop();
@@ -929,6 +981,7 @@ pub async fn run(opts: SuiteOptions, command: String) -> anyhow::Result<Summary>
         redis_ceiling,
         broker_ceiling,
         strategies,
+        cluster,
     };
     let json_path = opts.out.join("summary.json");
     std::fs::write(&json_path, serde_json::to_vec_pretty(&summary)?)

@@ -2,8 +2,12 @@
 //!
 //! An activity with one stock shard (the default) keeps every key under the hash
 //! tag `{<activity_id>}`. One split over K shards keeps K complete sets of keys,
-//! one per hash tag `{<activity_id>#<k>}`, so on a Redis Cluster its reservations
-//! spread over up to K primaries:
+//! one per hash tag `{<activity_id>#<k>-<salt>}`, so on a Redis Cluster its
+//! reservations spread over up to K primaries:
+//! - the salt (the smallest that works) puts shard k's slot in the k-th of K equal
+//!   ranges of the 16,384 slots (rotated by the activity's own slot), so with
+//!   Redis Cluster's even, contiguous slot ranges K shards on K primaries land one
+//!   a primary instead of wherever their hashes fall;
 //! - each user has a home shard, a hash of their id, where their purchase right
 //!   and their reservation live: the per-user limit is checked in one slot, so it
 //!   stays exact whatever K is;
@@ -42,7 +46,7 @@ impl Keys {
         if shards <= 1 {
             Self::new(activity_id)
         } else {
-            Self::with_tag(&format!("{{{activity_id}#{k}}}"), k)
+            Self::with_tag(&format!("{{{}}}", spread_tag(activity_id, shards, k)), k)
         }
     }
 
@@ -76,6 +80,52 @@ impl Keys {
         }
     }
 }
+
+/// The hash tag of shard `k`: `<id>#<k>-<salt>`, whose slot lies in the
+/// `(slot(id) / range + k) mod K`-th of K equal slot ranges.
+fn spread_tag(activity_id: &str, shards: u8, k: u8) -> String {
+    let n = u16::from(shards.max(1));
+    let range = SLOTS / n;
+    let range_of = |slot: u16| (slot / range).min(n - 1);
+    let want = (range_of(key_slot(activity_id)) + u16::from(k)) % n;
+    (0..SALT_TRIES)
+        .map(|salt| format!("{activity_id}#{k}-{salt}"))
+        .find(|tag| range_of(key_slot(tag)) == want)
+        .unwrap_or_else(|| format!("{activity_id}#{k}-0"))
+}
+
+/// Tries before giving up on placing a shard (each succeeds with chance 1/K).
+const SALT_TRIES: u32 = 4096;
+const SLOTS: u16 = 16384;
+
+/// Redis Cluster's slot of a key (or tag): CRC16-XMODEM modulo 16,384.
+pub fn key_slot(key: &str) -> u16 {
+    let mut crc: u16 = 0;
+    for b in key.bytes() {
+        crc = (crc << 8) ^ CRC16[usize::from((crc >> 8) as u8 ^ b)];
+    }
+    crc % SLOTS
+}
+
+const CRC16: [u16; 256] = {
+    let mut table = [0u16; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut crc = (i as u16) << 8;
+        let mut bit = 0;
+        while bit < 8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+            bit += 1;
+        }
+        table[i] = crc;
+        i += 1;
+    }
+    table
+};
 
 /// A user's home shard: FNV-1a (64 bits) of their id, modulo the shard count.
 /// Stable across instances, builds and platforms.
@@ -156,7 +206,8 @@ mod tests {
             assert_eq!(n, 3);
             assert_eq!(k, home_shard(user, 3));
             let keys = Keys::of_reservation("a1", &rid);
-            assert_eq!(keys.stock, format!("flash:{{a1#{k}}}:stock"));
+            assert_eq!(keys.stock, Keys::shard("a1", 3, k).stock);
+            assert!(keys.stock.starts_with(&format!("flash:{{a1#{k}-")));
         }
         assert!(is_valid_reservation_id("0192abcd.2.3"));
         assert!(is_valid_reservation_id("0192abcd"));
@@ -166,6 +217,29 @@ mod tests {
         assert_eq!(shard_of("x.3.3"), (0, 1));
         assert_eq!(shard_of("x.a.3"), (0, 1));
         assert_eq!(shard_of("plain"), (0, 1));
+    }
+
+    #[test]
+    fn slots_match_redis() {
+        // From the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(key_slot("123456789"), 12739);
+        assert_eq!(key_slot("foo"), 12182);
+    }
+
+    #[test]
+    fn shards_fall_in_distinct_slot_ranges() {
+        for shards in [2u8, 3, 6, 64] {
+            for id in ["a1", "0192f0c4d1b27a3e9c5d", "sale-2026"] {
+                let ranges: std::collections::HashSet<u16> = (0..shards)
+                    .map(|k| {
+                        let tag = spread_tag(id, shards, k);
+                        key_slot(&tag) / (SLOTS / u16::from(shards))
+                    })
+                    .map(|r| r.min(u16::from(shards) - 1))
+                    .collect();
+                assert_eq!(ranges.len(), usize::from(shards), "{id} over {shards}");
+            }
+        }
     }
 
     #[test]

@@ -12,7 +12,8 @@ mod keys;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use redis::{AsyncCommands, RedisResult, Script};
 
@@ -242,9 +243,42 @@ struct ReplicaBarrier {
     timeout_ms: u64,
 }
 
+/// How long a sibling shard found empty is not asked to lend again by this
+/// instance. Once a split sale is sold out, a refused request then costs one call
+/// (its home shard) instead of one per shard; a unit that comes back on a sibling
+/// is seen by that sibling's own users at once and by everyone else within this.
+pub const DRY_SIBLING_TTL: Duration = Duration::from_millis(50);
+
+/// Sibling shards that had nothing to lend, and when this instance saw it.
+#[derive(Default)]
+struct DrySiblings {
+    seen: Mutex<HashMap<String, Instant>>,
+}
+
+impl DrySiblings {
+    fn recently(&self, stock_key: &str) -> bool {
+        let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.get(stock_key)
+            .is_some_and(|at| at.elapsed() < DRY_SIBLING_TTL)
+    }
+
+    fn mark(&self, stock_key: &str, dry: bool) {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if dry {
+            if seen.len() > 10_000 {
+                seen.retain(|_, at| at.elapsed() < DRY_SIBLING_TTL);
+            }
+            seen.insert(stock_key.to_owned(), Instant::now());
+        } else {
+            seen.remove(stock_key);
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct StockStore {
     conn: RedisConn,
+    dry: Arc<DrySiblings>,
     barrier: Option<ReplicaBarrier>,
     reserve: Lua,
     refund: Lua,
@@ -261,6 +295,7 @@ impl StockStore {
     pub fn new(conn: RedisConn) -> Self {
         StockStore {
             conn,
+            dry: Arc::default(),
             barrier: None,
             reserve: Lua::new(include_str!("reserve.lua")),
             refund: Lua::new(include_str!("refund.lua")),
@@ -357,6 +392,9 @@ impl StockStore {
         };
         for step in 1..shards {
             let lender = Keys::shard(activity_id, shards, (home.shard + step) % shards);
+            if self.dry.recently(&lender.stock) {
+                continue;
+            }
             let transfer = format!("{reservation_id}>{}", lender.shard);
             let need = i64::from(quantity) - left;
             let (lent, epoch): (i64, String) = self
@@ -366,6 +404,7 @@ impl StockStore {
                     &[arg(&transfer), arg(need), arg(home.shard), arg(now_ms)],
                 )
                 .await?;
+            self.dry.mark(&lender.stock, lent == 0);
             match lent {
                 -3 => return Ok(ReserveOutcome::NotLoaded),
                 0 => continue,
