@@ -592,14 +592,24 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
 
 async fn warm_up(run: &Run, auth: &Auth) -> Result<Answer, String> {
     let token = auth.issue("warmup", 3600).map_err(|e| e.to_string())?;
-    let answer = Answer::from_response(
-        run.client
-            .post(format!("{}/flash/{}/reserve", run.base(), run.sku))
-            .bearer_auth(token)
-            .send()
-            .await,
-    )
-    .await;
+    // A fresh replica acknowledges its first writes about a second after it
+    // synced: until then a `WAIT` may time out and the reservation is refused
+    // (`503`, undone, nothing held). The warm-up waits that out.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let answer = loop {
+        let answer = Answer::from_response(
+            run.client
+                .post(format!("{}/flash/{}/reserve", run.base(), run.sku))
+                .bearer_auth(&token)
+                .send()
+                .await,
+        )
+        .await;
+        if answer.status != Some(503) || Instant::now() > deadline {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     if answer.status != Some(202) {
         return Err(format!("the warm-up reservation answered {answer:?}"));
     }
