@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 pub use cache::ActivityCache;
-pub use repo::{ActivityRepo, CreateError};
+pub use repo::{ActivityRepo, CreateError, TopUpError};
 
 use crate::error::AppError;
 
@@ -146,6 +146,15 @@ impl NewActivity {
         if self.per_user_limit < 1 || self.per_user_limit > self.stock {
             return Err(AppError::invalid(
                 "per_user_limit must be at least 1 and at most stock",
+            ));
+        }
+        use chrono::Datelike;
+        if [self.starts_at, self.ends_at]
+            .iter()
+            .any(|t| !(1970..=9999).contains(&t.year()))
+        {
+            return Err(AppError::invalid(
+                "starts_at and ends_at must lie between the years 1970 and 9999",
             ));
         }
         if self.ends_at <= self.starts_at {

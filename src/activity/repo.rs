@@ -6,8 +6,27 @@ use sqlx::MySqlPool;
 use super::{Activity, ValidActivity};
 use crate::stock::Build;
 
+// Times are bound as DATETIME (`naive_utc`), the columns' type: bound as a
+// TIMESTAMP, MariaDB turns anything past 2038-01-19 into NULL.
+
 const COLUMNS: &str = "id, sku, stock, available, per_user_limit, stock_shards, starts_at, \
                        ends_at, payment_timeout_secs, paused, auto_paused, redis_epoch, created_at";
+
+/// Why a top-up was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum TopUpError {
+    #[error("no activity {0}")]
+    NotFound(String),
+    #[error("stock would exceed {max}")]
+    TooMuch { max: i64 },
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+/// A top-up's id, as Redis records it among the activity's returned units.
+pub fn topup_key(id: &str) -> String {
+    format!("topup-{id}")
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum CreateError {
@@ -52,8 +71,8 @@ impl ActivityRepo {
             "SELECT id FROM activities WHERE sku = ? AND starts_at < ? AND ends_at > ? LIMIT 1",
         )
         .bind(&a.sku)
-        .bind(a.ends_at)
-        .bind(a.starts_at)
+        .bind(a.ends_at.naive_utc())
+        .bind(a.starts_at.naive_utc())
         .fetch_optional(&mut *tx)
         .await?;
         if let Some((other,)) = overlapping {
@@ -74,8 +93,8 @@ impl ActivityRepo {
         .bind(a.stock)
         .bind(a.per_user_limit)
         .bind(a.stock_shards)
-        .bind(a.starts_at)
-        .bind(a.ends_at)
+        .bind(a.starts_at.naive_utc())
+        .bind(a.ends_at.naive_utc())
         .bind(a.payment_timeout_secs)
         .execute(&mut *tx)
         .await;
@@ -103,7 +122,7 @@ impl ActivityRepo {
         sqlx::query_as(&format!(
             "SELECT {COLUMNS} FROM activities WHERE ends_at >= ? ORDER BY starts_at"
         ))
-        .bind(since)
+        .bind(since.naive_utc())
         .fetch_all(&self.pool)
         .await
     }
@@ -143,6 +162,66 @@ impl ActivityRepo {
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    /// Adds `units` to the activity's stock and available count, and records the
+    /// top-up, in one transaction under the activity's row lock (every order write
+    /// takes it too). Returns the activity and the top-up's Redis key; Redis gets
+    /// the units from the caller (`StockStore::top_up`), or from the reconciler.
+    pub async fn top_up(&self, id: &str, units: u32) -> Result<(Activity, String), TopUpError> {
+        let mut tx = self.pool.begin().await?;
+        let row: Option<(i64,)> =
+            sqlx::query_as("SELECT CAST(stock AS SIGNED) FROM activities WHERE id = ? FOR UPDATE")
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await?;
+        let Some((stock,)) = row else {
+            return Err(TopUpError::NotFound(id.to_owned()));
+        };
+        if stock + i64::from(units) > super::MAX_STOCK {
+            return Err(TopUpError::TooMuch {
+                max: super::MAX_STOCK,
+            });
+        }
+        sqlx::query(
+            "UPDATE activities SET stock = stock + ?, available = available + ? WHERE id = ?",
+        )
+        .bind(units)
+        .bind(units)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        let topup = uuid::Uuid::now_v7().simple().to_string();
+        sqlx::query("INSERT INTO stock_topups (id, activity_id, units) VALUES (?, ?, ?)")
+            .bind(&topup)
+            .bind(id)
+            .bind(units)
+            .execute(&mut *tx)
+            .await?;
+        let activity = fetch(&mut *tx, id).await?.ok_or(sqlx::Error::RowNotFound)?;
+        tx.commit().await?;
+        Ok((activity, topup_key(&topup)))
+    }
+
+    /// Top-ups Redis may not hold yet: (Redis key, units).
+    pub async fn unapplied_topups(&self, id: &str) -> Result<Vec<(String, u32)>, sqlx::Error> {
+        let rows: Vec<(String, u32)> = sqlx::query_as(
+            "SELECT id, units FROM stock_topups WHERE activity_id = ? AND applied = FALSE",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.into_iter().map(|(t, u)| (topup_key(&t), u)).collect())
+    }
+
+    /// Redis holds this top-up (given by its Redis key).
+    pub async fn topup_applied(&self, key: &str) -> Result<(), sqlx::Error> {
+        let id = key.strip_prefix("topup-").unwrap_or(key);
+        sqlx::query("UPDATE stock_topups SET applied = TRUE WHERE id = ?")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
     }
 
     /// What a (re)build of the activity's Redis state needs, read in one
@@ -185,6 +264,16 @@ impl ActivityRepo {
         .bind(id)
         .execute(&mut *tx)
         .await?;
+        // Top-ups are in `available` too: recorded as held, so a late one is a no-op.
+        let topups: Vec<(String,)> =
+            sqlx::query_as("SELECT id FROM stock_topups WHERE activity_id = ?")
+                .bind(id)
+                .fetch_all(&mut *tx)
+                .await?;
+        sqlx::query("UPDATE stock_topups SET applied = TRUE WHERE activity_id = ?")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok(Some(Build {
             available: i64::from(available),
@@ -192,7 +281,11 @@ impl ActivityRepo {
             paused: paused && !auto_paused,
             epoch: epoch + 1,
             buyers,
-            returned: returned.into_iter().map(|(r,)| r).collect(),
+            returned: returned
+                .into_iter()
+                .map(|(r,)| r)
+                .chain(topups.into_iter().map(|(t,)| topup_key(&t)))
+                .collect(),
         }))
     }
 

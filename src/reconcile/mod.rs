@@ -39,7 +39,7 @@ use crate::activity::{Activity, ActivityCache, ActivityRepo, Window};
 use crate::config::KafkaSettings;
 use crate::orders::{Decision, Incoming, OrderRepo, OrderWriter};
 use crate::queue;
-use crate::stock::{Audit, Build, Fate, PreloadMode, StockStore};
+use crate::stock::{Audit, Build, Fate, PreloadMode, RefundOutcome, StockStore};
 
 const EXPIRED_BATCH: usize = 500;
 /// How soon a rebuild that waits for the consumers is tried again.
@@ -79,6 +79,8 @@ pub struct Report {
     pub no_units: usize,
     /// Transfers between stock shards that the reconciler finished.
     pub transfers_finished: u64,
+    /// Top-ups MySQL held and Redis did not, added by the reconciler.
+    pub topups_finished: u64,
     pub mysql: MysqlFigures,
     pub redis: Option<Audit>,
     /// Redis stock minus what MySQL implies (0 when they agree).
@@ -185,6 +187,7 @@ impl Reconciler {
                 Utc::now().timestamp_millis() - TRANSFER_GRACE_MS,
             )
             .await?;
+        report.topups_finished = self.finish_topups(activity).await?;
         self.audit(activity, &mut report).await?;
         Ok(report)
     }
@@ -432,12 +435,35 @@ impl Reconciler {
         }
     }
 
+    /// Adds to Redis the top-ups MySQL holds and Redis may not (their request
+    /// failed between the two); each is added once whoever tries.
+    async fn finish_topups(&self, activity: &Activity) -> anyhow::Result<u64> {
+        let mut added = 0;
+        for (key, units) in self.activities.unapplied_topups(&activity.id).await? {
+            match self
+                .stock
+                .top_up(&activity.id, activity.stock_shards, &key, units)
+                .await?
+            {
+                RefundOutcome::Returned { .. } => {
+                    added += 1;
+                    self.activities.topup_applied(&key).await?;
+                }
+                RefundOutcome::AlreadyRefunded => self.activities.topup_applied(&key).await?,
+                _ => {}
+            }
+        }
+        Ok(added)
+    }
+
     async fn audit(&self, activity: &Activity, report: &mut Report) -> anyhow::Result<()> {
         let total = i64::from(activity.stock);
         let read_mysql = || async {
             let fresh = self.activities.get(&activity.id).await?;
             let live = self.orders.live_units(&activity.id).await?;
-            let owed = self.orders.owed_units(&activity.id).await?;
+            let mut owed = self.orders.owed_units(&activity.id).await?;
+            // Top-ups not yet in Redis are units Redis is owed, like a refund.
+            owed.extend(self.activities.unapplied_topups(&activity.id).await?);
             Ok::<_, sqlx::Error>((fresh.map(|a| a.available), live, owed))
         };
         let (available, live, owed) = read_mysql().await?;

@@ -560,6 +560,34 @@ impl StockStore {
         })
     }
 
+    /// Adds a top-up's units to the activity's first shard, once: `key` joins the
+    /// returned units (as a refund would), so a second call, or one after a rebuild
+    /// that counted it, adds nothing. `NotLoaded`: the next build reads MySQL, which
+    /// has the units already.
+    pub async fn top_up(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        key: &str,
+        units: u32,
+    ) -> RedisResult<RefundOutcome> {
+        let k = Keys::shard(activity_id, shards, 0);
+        let n: i64 = self
+            .run(
+                &self.refund,
+                &[&k.stock, &k.buyers, &k.pending, &k.res, &k.refunded],
+                &[arg(key), arg(""), arg(units), arg("return")],
+            )
+            .await?;
+        Ok(match n {
+            0 => RefundOutcome::AlreadyRefunded,
+            -3 => RefundOutcome::NotLoaded,
+            units => RefundOutcome::Returned {
+                units: u32::try_from(units).unwrap_or(u32::MAX),
+            },
+        })
+    }
+
     /// Clears the pending marks of orders MySQL now holds (reservation id, user id,
     /// units), so the reconciler sees only reservations still undecided, and adopts
     /// the orders this Redis state does not know (see `confirm.lua`). Returns how

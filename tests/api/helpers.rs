@@ -189,6 +189,16 @@ impl TestApp {
         req.send().await.expect("request sent")
     }
 
+    /// The test kit's invariant checker, pointed at this app's services.
+    pub fn probe(&self, sale: &Sale) -> testkit::invariants::Probe {
+        testkit::invariants::Probe {
+            mysql_url: secrecy::ExposeSecret::expose_secret(&self.settings.mysql.url).to_owned(),
+            redis_url: self.settings.redis.url.clone(),
+            activity_id: sale.id.clone(),
+            kafka: self.settings.kafka.clone(),
+        }
+    }
+
     pub async fn redis_stock(&self, sale: &Sale) -> Option<i64> {
         self.state
             .stock

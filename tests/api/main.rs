@@ -10,3 +10,4 @@ mod rate_limit;
 mod reconcile;
 mod reserve;
 mod shards;
+mod topup;

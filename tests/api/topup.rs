@@ -1,0 +1,194 @@
+//! `POST /admin/activities/{id}/stock`: more units during a sale, in MySQL and
+//! Redis together, while reservations, the consumer and the reconciler run.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use testkit::invariants::Answer;
+use testkit::sale::SaleSpec;
+
+use crate::helpers::{assert_error, eventually, spawn_app, spawn_app_with};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A flood that sells 100 units, topped up by 50 mid-sale with the reconciler
+/// running: exactly 150 winners, and the invariants hold once quiet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_top_up_mid_sale_sells_exactly_the_new_stock() {
+    for shards in [1u8, 3] {
+        let app = spawn_app_with(|s| {
+            s.consumer.enabled = true;
+            s.consumer.batch_wait_ms = 10;
+        })
+        .await;
+        let sale = app
+            .open_sale_spec(&SaleSpec {
+                stock_shards: shards,
+                ..SaleSpec::new(100)
+            })
+            .await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let next_user = Arc::new(AtomicUsize::new(0));
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let answers = Arc::new(Mutex::new(Vec::new()));
+        let mut workers = Vec::new();
+        for _ in 0..16 {
+            let (stop, next_user, accepted, answers) = (
+                stop.clone(),
+                next_user.clone(),
+                accepted.clone(),
+                answers.clone(),
+            );
+            let client = app.client.clone();
+            let url = app.url(&format!("/flash/{}/reserve", sale.sku));
+            let auth = app.state.auth.clone();
+            workers.push(tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let user = format!("flood-{}", next_user.fetch_add(1, Ordering::Relaxed));
+                    let token = auth.issue(&user, 600).expect("token");
+                    let answer =
+                        Answer::from_response(client.post(&url).bearer_auth(token).send().await)
+                            .await;
+                    if answer.status == Some(202) {
+                        accepted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    answers.lock().expect("answers").push(answer);
+                }
+            }));
+        }
+        eventually(WAIT, "60 units sold", || async {
+            (accepted.load(Ordering::Relaxed) >= 60).then_some(())
+        })
+        .await;
+        let resp = app
+            .admin_post(
+                &format!("/admin/activities/{}/stock", sale.id),
+                Some(json!({"add": 50})),
+            )
+            .await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        let body: Value = resp.json().await.expect("JSON");
+        assert_eq!(body["stock"], 150);
+        for _ in 0..3 {
+            let resp = app
+                .admin_post(&format!("/admin/activities/{}/reconcile", sale.id), None)
+                .await;
+            assert_eq!(resp.status(), StatusCode::OK);
+        }
+        eventually(WAIT, "150 units sold", || async {
+            (accepted.load(Ordering::Relaxed) >= 150 && app.redis_stock(&sale).await == Some(0))
+                .then_some(())
+        })
+        .await;
+        // A few more refused, then stop.
+        let refused_from = answers.lock().expect("answers").len();
+        eventually(WAIT, "sold-out answers", || async {
+            (answers.lock().expect("answers").len() > refused_from + 50).then_some(())
+        })
+        .await;
+        stop.store(true, Ordering::Relaxed);
+        for w in workers {
+            w.await.expect("worker");
+        }
+        let answers = answers.lock().expect("answers").clone();
+        let probe = app.probe(&sale);
+        probe.wait_quiet(WAIT).await.expect("quiet");
+        let figures = probe.check(&answers).await.expect("invariants hold");
+        assert_eq!(figures.accepted, 150, "K = {shards}: {figures:?}");
+        assert_eq!(figures.live_orders, 150, "K = {shards}: {figures:?}");
+    }
+}
+
+#[tokio::test]
+async fn bad_top_ups_are_refused_and_change_nothing() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(5, 1).await;
+    let path = format!("/admin/activities/{}/stock", sale.id);
+    for body in [
+        json!({"add": 0}),
+        json!({"add": -3}),
+        json!({"add": 1_000_001}),
+        json!({"add": "ten"}),
+        json!({"add": 1.5}),
+        json!({}),
+        json!({"add": 1, "extra": true}),
+    ] {
+        let resp = app.admin_post(&path, Some(body)).await;
+        assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
+    }
+    let resp = app
+        .admin_post(
+            "/admin/activities/no-such-activity/stock",
+            Some(json!({"add": 1})),
+        )
+        .await;
+    assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+    assert_eq!(app.redis_stock(&sale).await, Some(5));
+    let resp = app
+        .admin_get(&format!("/admin/activities/{}", sale.id))
+        .await;
+    let body: Value = resp.json().await.expect("JSON");
+    assert_eq!(body["stock"], 5);
+    assert_eq!(body["available"], 5);
+}
+
+/// A top-up whose Redis step never happened (its request died after MySQL's
+/// commit) is added by the reconciler, once; a rebuild counts it from MySQL.
+#[tokio::test]
+async fn the_reconciler_finishes_a_top_up_and_a_rebuild_counts_it_once() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(5, 1).await;
+    let (activity, key) = app
+        .state
+        .activities
+        .top_up(&sale.id, 7)
+        .await
+        .expect("MySQL top-up");
+    assert_eq!(activity.stock, 12);
+    assert_eq!(
+        app.redis_stock(&sale).await,
+        Some(5),
+        "Redis has not got it"
+    );
+    let reconcile = || async {
+        let resp = app
+            .admin_post(&format!("/admin/activities/{}/reconcile", sale.id), None)
+            .await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp.json::<Value>().await.expect("JSON")
+    };
+    let report = reconcile().await;
+    assert_eq!(report["topups_finished"], 1, "{report}");
+    assert_eq!(report["drift"], 0, "{report}");
+    assert_eq!(app.redis_stock(&sale).await, Some(12));
+    let report = reconcile().await;
+    assert_eq!(report["topups_finished"], 0, "{report}");
+    assert_eq!(app.redis_stock(&sale).await, Some(12));
+    // The late Redis step of the same top-up adds nothing.
+    let again = app
+        .state
+        .stock
+        .top_up(&sale.id, 1, &key, 7)
+        .await
+        .expect("redis");
+    assert_eq!(again, flashsale::stock::RefundOutcome::AlreadyRefunded);
+    // A rebuild from MySQL holds it once, and remembers it.
+    app.admin_post(&format!("/admin/activities/{}/pause", sale.id), None)
+        .await;
+    let resp = app
+        .admin_post(&format!("/admin/activities/{}/preload", sale.id), None)
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(app.redis_stock(&sale).await, Some(12));
+    let again = app
+        .state
+        .stock
+        .top_up(&sale.id, 1, &key, 7)
+        .await
+        .expect("redis");
+    assert_eq!(again, flashsale::stock::RefundOutcome::AlreadyRefunded);
+    assert_eq!(app.redis_stock(&sale).await, Some(12));
+}
