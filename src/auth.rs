@@ -41,6 +41,8 @@ impl Auth {
         let secret = user_token_secret.expose_secret().as_bytes();
         let mut validation = Validation::new(Algorithm::HS256);
         validation.set_required_spec_claims(&["exp", "sub"]);
+        // A token that says it is not valid yet is not valid yet.
+        validation.validate_nbf = true;
         validation.leeway = 5;
         Ok(Auth {
             admin_token,
@@ -73,6 +75,9 @@ impl Auth {
             .map_err(|e| match e.kind() {
                 jsonwebtoken::errors::ErrorKind::ExpiredSignature => {
                     AppError::Unauthorized("token expired")
+                }
+                jsonwebtoken::errors::ErrorKind::ImmatureSignature => {
+                    AppError::Unauthorized("token not valid yet (nbf)")
                 }
                 jsonwebtoken::errors::ErrorKind::InvalidSignature => {
                     AppError::Unauthorized("token signature is invalid")

@@ -37,6 +37,10 @@ pub struct ServerSettings {
     pub request_timeout_ms: u64,
     pub body_limit_bytes: usize,
     pub shutdown_grace_secs: u64,
+    /// Proxies whose `X-Forwarded-For` names the client (addresses or CIDRs; as
+    /// an environment variable, a comma-separated list).
+    #[serde(default)]
+    pub trusted_proxies: crate::http::TrustedProxies,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -153,6 +157,8 @@ impl Settings {
                 config::Environment::with_prefix("FLASHSALE")
                     .prefix_separator("__")
                     .separator("__")
+                    .list_separator(",")
+                    .with_list_parse_key("server.trusted_proxies")
                     .try_parsing(true),
             )
             .build()
@@ -244,6 +250,18 @@ mod tests {
         assert_eq!(s.reconcile.pending_deadline_secs, 60);
         assert_eq!(s.orders.sweep_interval_secs, 5);
         assert!(s.consumer.enabled);
+    }
+
+    #[test]
+    fn trusted_proxies_come_as_a_comma_separated_list() {
+        // Only this test sets this variable; other tests see it and ignore it.
+        std::env::set_var("FLASHSALE__SERVER__TRUSTED_PROXIES", "10.0.0.0/8,127.0.0.1");
+        let s = Settings::load_from(&config_dir(), "development").expect("config loads");
+        std::env::remove_var("FLASHSALE__SERVER__TRUSTED_PROXIES");
+        assert_eq!(
+            s.server.trusted_proxies,
+            crate::http::TrustedProxies::parse(&["10.0.0.0/8", "127.0.0.1"]).expect("parses")
+        );
     }
 
     #[test]

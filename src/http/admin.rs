@@ -216,3 +216,66 @@ pub async fn reconcile(
     refresh_cache(&state).await;
     Ok(Json(report))
 }
+
+/// Body of `POST /admin/activities/{id}/stock`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TopUp {
+    add: serde_json::Value,
+}
+
+/// Most units one top-up may add.
+const MAX_TOP_UP: u64 = 1_000_000;
+
+/// `POST /admin/activities/{id}/stock`: N more units, during a sale too. MySQL
+/// first (stock, available and the top-up's record in one transaction), then
+/// Redis once (`StockStore::top_up`); if Redis cannot take it now, the reconciler
+/// adds it on its next pass, and a rebuild counts it from MySQL. A retry of this
+/// call adds N again: it is a new top-up.
+pub async fn top_up(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    raw: Result<Bytes, BytesRejection>,
+) -> AppResult<Json<Activity>> {
+    let bytes = body::read(raw, state.settings.server.body_limit_bytes)?;
+    let body: TopUp = body::required_json(&bytes)?;
+    let units = body
+        .add
+        .as_u64()
+        .filter(|n| (1..=MAX_TOP_UP).contains(n))
+        .and_then(|n| u32::try_from(n).ok())
+        .ok_or_else(|| {
+            AppError::invalid(format!("add must be an integer from 1 to {MAX_TOP_UP}"))
+        })?;
+    load(&state, &id).await?;
+    let (activity, key) = state
+        .activities
+        .top_up(&id, units)
+        .await
+        .map_err(|e| match e {
+            crate::activity::TopUpError::NotFound(_) => AppError::not_found("no such activity"),
+            crate::activity::TopUpError::TooMuch { .. } => AppError::invalid(e.to_string()),
+            crate::activity::TopUpError::Db(db) => AppError::from(db),
+        })?;
+    match state
+        .stock
+        .top_up(&id, activity.stock_shards, &key, units)
+        .await
+    {
+        Ok(crate::stock::RefundOutcome::NotLoaded) => {
+            tracing::info!(activity_id = %id, units, "topped up in MySQL; the activity is not loaded");
+        }
+        Ok(_) => {
+            if let Err(err) = state.activities.topup_applied(&key).await {
+                tracing::warn!(error = %err, activity_id = %id, "top-up not marked applied; the reconciler will");
+            }
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, activity_id = %id, units, "top-up not yet in Redis; the reconciler adds it");
+            state.reconcile_now.notify_one();
+        }
+    }
+    tracing::info!(activity_id = %id, units, stock = activity.stock, "activity topped up");
+    refresh_cache(&state).await;
+    Ok(Json(activity))
+}

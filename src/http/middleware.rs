@@ -11,7 +11,9 @@ use axum::response::IntoResponse;
 use governor::middleware::NoOpMiddleware;
 use tower::BoxError;
 use tower_governor::governor::{GovernorConfig, GovernorConfigBuilder};
-use tower_governor::key_extractor::{KeyExtractor, PeerIpKeyExtractor};
+use tower_governor::key_extractor::KeyExtractor;
+
+use super::client_ip::{ClientIp, ClientIpKeyExtractor};
 use tower_governor::{GovernorError, GovernorLayer};
 use tracing::Span;
 
@@ -55,11 +57,16 @@ pub fn make_span(req: &Request) -> Span {
         .get::<MatchedPath>()
         .map(MatchedPath::as_str)
         .unwrap_or_else(|| req.uri().path());
+    let client_ip = req
+        .extensions()
+        .get::<ClientIp>()
+        .map_or_else(|| "-".to_owned(), |c| c.0.to_string());
     tracing::info_span!(
         "request",
         method = %req.method(),
         route,
         request_id,
+        client_ip,
         user_id = tracing::field::Empty,
     )
 }
@@ -128,7 +135,7 @@ fn rate_limited(err: GovernorError) -> Response<Body> {
 /// pruned in the background.
 #[derive(Clone, Default)]
 pub struct RateLimiters {
-    per_ip: Option<Arc<GovernorConfig<PeerIpKeyExtractor, NoOpMiddleware>>>,
+    per_ip: Option<Arc<GovernorConfig<ClientIpKeyExtractor, NoOpMiddleware>>>,
     per_user: Option<Arc<GovernorConfig<UserKeyExtractor, NoOpMiddleware>>>,
 }
 
@@ -142,6 +149,7 @@ impl RateLimiters {
         let per_ip = (settings.per_ip_per_sec > 0)
             .then(|| {
                 GovernorConfigBuilder::default()
+                    .key_extractor(ClientIpKeyExtractor)
                     .period(period(settings.per_ip_per_sec))
                     .burst_size(settings.per_ip_burst)
                     .finish()
@@ -161,7 +169,9 @@ impl RateLimiters {
         RateLimiters { per_ip, per_user }
     }
 
-    pub fn per_ip_layer(&self) -> Option<GovernorLayer<PeerIpKeyExtractor, NoOpMiddleware, Body>> {
+    pub fn per_ip_layer(
+        &self,
+    ) -> Option<GovernorLayer<ClientIpKeyExtractor, NoOpMiddleware, Body>> {
         self.per_ip
             .clone()
             .map(|c| GovernorLayer::new(c).error_handler(rate_limited))

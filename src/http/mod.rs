@@ -6,6 +6,7 @@
 
 mod admin;
 mod body;
+mod client_ip;
 mod flash;
 pub mod middleware;
 mod ops;
@@ -28,6 +29,7 @@ use crate::config::ServerSettings;
 use crate::error::AppError;
 use crate::state::AppState;
 
+pub use client_ip::{ClientIp, TrustedProxies};
 pub use middleware::RateLimiters;
 
 pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
@@ -52,6 +54,7 @@ pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
         .route("/admin/activities/{id}/pause", post(admin::pause))
         .route("/admin/activities/{id}/resume", post(admin::resume))
         .route("/admin/activities/{id}/reconcile", post(admin::reconcile))
+        .route("/admin/activities/{id}/stock", post(admin::top_up))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             middleware::require_admin,
@@ -109,4 +112,8 @@ where
                 .layer(TraceLayer::new_for_http().make_span_with(middleware::make_span))
                 .layer(PropagateRequestIdLayer::x_request_id()),
         )
+        .layer(axum::middleware::from_fn_with_state(
+            settings.trusted_proxies.clone(),
+            client_ip::resolve,
+        ))
 }

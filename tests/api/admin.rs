@@ -254,3 +254,35 @@ async fn sale_status_moves_through_its_states() {
     assert_error(resp, StatusCode::CONFLICT, "sold_out").await;
     app.stop().await;
 }
+
+/// Found by hand: a window ending at the last second of year 9999 answered
+/// `500` (MariaDB stored NULL for a time bound as a TIMESTAMP, whose range ends in
+/// 2038). Such times are stored faithfully.
+#[tokio::test]
+async fn windows_past_2038_are_stored_faithfully() {
+    let app = spawn_app().await;
+    for end in ["2040-06-01T12:00:00Z", "9999-12-31T23:59:59Z"] {
+        let resp = app
+            .create_activity(json!({
+                "sku": unique("far-"), "stock": 3,
+                "starts_at": "2039-01-01T00:00:00Z", "ends_at": end,
+            }))
+            .await;
+        assert_eq!(resp.status(), StatusCode::CREATED, "ends_at {end}");
+        let body: Value = resp.json().await.expect("JSON");
+        let stored: chrono::DateTime<chrono::Utc> =
+            serde_json::from_value(body["ends_at"].clone()).expect("a time");
+        assert_eq!(
+            stored,
+            end.parse::<chrono::DateTime<chrono::Utc>>().expect("time")
+        );
+        let resp = app
+            .admin_get(&format!(
+                "/admin/activities/{}",
+                body["id"].as_str().expect("id")
+            ))
+            .await;
+        let again: Value = resp.json().await.expect("JSON");
+        assert_eq!(again["ends_at"], body["ends_at"]);
+    }
+}

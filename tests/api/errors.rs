@@ -58,6 +58,34 @@ async fn bad_tokens_get_401() {
         .as_str()
         .is_some_and(|m| m.contains("expired")));
 
+    // Found by hand: a token whose nbf lies in the future was accepted.
+    let not_yet = sign(
+        &secret,
+        json!({"sub": "u1", "exp": exp, "nbf": Utc::now().timestamp() + 300}),
+    );
+    let resp = app
+        .client
+        .post(&url)
+        .bearer_auth(not_yet)
+        .send()
+        .await
+        .expect("sent");
+    let body = assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    assert!(body["message"].as_str().is_some_and(|m| m.contains("nbf")));
+    let already = sign(
+        &secret,
+        json!({"sub": "u1", "exp": exp, "nbf": Utc::now().timestamp() - 60}),
+    );
+    // A past nbf passes authentication (and holds nothing: a status lookup).
+    let resp = app
+        .client
+        .get(app.url(&format!("/flash/{}/reservation", sale.sku)))
+        .bearer_auth(already)
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+
     let resp = app
         .client
         .post(&url)
@@ -259,6 +287,7 @@ async fn invalid_activity_fields_get_422() {
         ("per_user_limit", json!(6)),
         ("starts_at", json!("yesterday")),
         ("ends_at", json!(now - hour)),
+        ("starts_at", json!("1969-12-31T23:59:59Z")),
         ("payment_timeout_secs", json!(0)),
         ("id", json!("has spaces")),
         ("id", json!("x".repeat(65))),

@@ -88,3 +88,71 @@ async fn per_ip_limit_applies_before_auth() {
     assert_eq!(health.status(), StatusCode::OK);
     app.stop().await;
 }
+
+/// Fires `n` requests at an unknown SKU, each with its own forged
+/// `X-Forwarded-For`, and returns how many were rate limited.
+async fn forged_clients(app: &crate::helpers::TestApp, n: usize) -> usize {
+    let mut limited = 0;
+    for i in 0..n {
+        let resp = app
+            .client
+            .get(app.url("/flash/unknown-sku"))
+            .header("x-forwarded-for", format!("198.51.100.{i}"))
+            .send()
+            .await
+            .expect("sent");
+        if resp.status() == StatusCode::TOO_MANY_REQUESTS {
+            limited += 1;
+        } else {
+            assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+        }
+    }
+    limited
+}
+
+#[tokio::test]
+async fn a_forged_forwarded_for_from_an_untrusted_peer_is_ignored() {
+    let app = spawn_app_with(|s| {
+        s.rate_limit.per_ip_per_sec = 1;
+        s.rate_limit.per_ip_burst = 3;
+    })
+    .await;
+    assert!(
+        forged_clients(&app, 8).await >= 5,
+        "one bucket for the peer, whatever the header says"
+    );
+}
+
+#[tokio::test]
+async fn behind_a_trusted_proxy_each_client_has_its_own_bucket() {
+    let app = spawn_app_with(|s| {
+        s.rate_limit.per_ip_per_sec = 1;
+        s.rate_limit.per_ip_burst = 3;
+        s.server.trusted_proxies =
+            flashsale::http::TrustedProxies::parse(&["127.0.0.1"]).expect("parses");
+    })
+    .await;
+    assert_eq!(
+        forged_clients(&app, 8).await,
+        0,
+        "eight clients, eight buckets"
+    );
+    // One client behind the proxy still has one bucket.
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        let resp = app
+            .client
+            .get(app.url("/flash/unknown-sku"))
+            .header("x-forwarded-for", "203.0.113.50")
+            .send()
+            .await
+            .expect("sent");
+        statuses.push(resp.status());
+    }
+    assert!(
+        statuses[3..]
+            .iter()
+            .all(|s| *s == StatusCode::TOO_MANY_REQUESTS),
+        "{statuses:?}"
+    );
+}
