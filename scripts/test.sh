@@ -12,6 +12,7 @@ set -euo pipefail
 cd "$(dirname -- "${BASH_SOURCE[0]}")/.."
 
 scripts/services.sh
+scripts/tools.sh
 scripts/redis-cluster.sh start
 
 # Each test creates its own database flashsale_t_<uuid>; clear old ones.
@@ -24,7 +25,7 @@ done
 # One closing line for the whole run: every libtest summary plus the fault
 # suite's own, added up.
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+trap 'rm -f "$log" "$log.err"' EXIT
 set +e
 cargo test --workspace --locked --no-fail-fast "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
@@ -34,11 +35,25 @@ if [[ $# -eq 0 ]]; then
         cargo test --workspace --locked --test api -- reserve:: orders:: reconcile:: shards:: 2>&1 | tee -a "$log"
     cluster_status=${PIPESTATUS[0]}
     [[ $status -ne 0 ]] || status=$cluster_status
+    echo "== the deployment files: alert rules and their unit tests (promtool), the dashboard"
+    passed=0 failed=0
+    for check in "promtool check rules deploy/prometheus/alerts.yml" \
+                 "promtool test rules deploy/prometheus/alerts_test.yml" \
+                 "python3 -m json.tool deploy/grafana/flashsale.json"; do
+        if $check >/dev/null 2>"$log.err"; then
+            passed=$((passed + 1)); echo "ok: $check"
+        else
+            failed=$((failed + 1)); echo "FAILED: $check"; cat "$log.err"
+        fi
+    done
+    echo "deployment checks: $passed passed, $failed failed" | tee -a "$log"
+    [[ $failed -eq 0 ]] || status=1
 fi
 set -e
 awk '
     /^test result: / { passed += $4; failed += $6 }
     /^faults: [0-9]+ passed, [0-9]+ failed$/ { passed += $2; failed += $4 }
+    /^deployment checks: [0-9]+ passed, [0-9]+ failed$/ { passed += $3; failed += $5 }
     END { printf "tests: %d passed, %d failed\n", passed, failed }
 ' "$log"
 exit "$status"

@@ -119,6 +119,13 @@ pub struct ConsumerSettings {
     pub enabled: bool,
     pub batch_size: usize,
     pub batch_wait_ms: u64,
+    /// Where `flashsale consume` serves `/metrics` and `/healthz`.
+    #[serde(default = "default_consumer_metrics_addr")]
+    pub metrics_addr: String,
+}
+
+fn default_consumer_metrics_addr() -> String {
+    "127.0.0.1:9464".to_owned()
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -242,6 +242,7 @@ fn spawn_workers(
 
 /// `flashsale consume`: the order consumer alone, without the HTTP API.
 pub async fn run_consumer(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let ops = serve_consumer_ops(&settings.consumer.metrics_addr, shutdown.clone()).await?;
     let pool = connect_mysql(&settings.mysql).await?;
     let redis = RedisConn::connect(&settings.redis).await?;
     let publisher = Publisher::new(&settings.kafka)?;
@@ -256,7 +257,45 @@ pub async fn run_consumer(settings: Settings, shutdown: CancellationToken) -> an
         .await
         .context("producer flush task failed")?;
     pool.close().await;
+    ops.await.context("the metrics server task failed")??;
     Ok(())
+}
+
+/// `/metrics` and `/healthz` of `flashsale consume`, on an address of its own,
+/// until `shutdown`.
+async fn serve_consumer_ops(
+    addr: &str,
+    shutdown: CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
+    let handle = telemetry::metrics_handle()?;
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("failed to bind consumer.metrics_addr {addr}"))?;
+    tracing::info!(addr = %listener.local_addr()?, "consumer metrics and health");
+    let router = axum::Router::new()
+        .route("/healthz", axum::routing::get(http::healthz))
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let handle = handle.clone();
+                async move {
+                    telemetry::record_process_metrics();
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4",
+                        )],
+                        handle.render(),
+                    )
+                }
+            }),
+        );
+    Ok(tokio::spawn(async move {
+        axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await
+            .context("the consumer's metrics server failed")
+    }))
 }
 
 /// Connections of their own for the replica barrier (see `StockStore::replicated`),

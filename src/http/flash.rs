@@ -145,7 +145,7 @@ pub async fn reserve(
         .map_err(|e| AppError::Internal(anyhow::Error::new(e).context("reserve task failed")))?;
     match result {
         Ok(reserved) => {
-            metrics::counter!("reservations_total", "outcome" => "reserved").increment(1);
+            metrics::counter!("flashsale_reservations_total", "outcome" => "reserved").increment(1);
             Ok((StatusCode::ACCEPTED, Json(reserved)))
         }
         Err(err) => Err(count(err)),
@@ -154,7 +154,7 @@ pub async fn reserve(
 
 /// Counts every refused reservation by its code.
 fn count(err: AppError) -> AppError {
-    metrics::counter!("reservations_total", "outcome" => err.code()).increment(1);
+    metrics::counter!("flashsale_reservations_total", "outcome" => err.code()).increment(1);
     err
 }
 
@@ -236,7 +236,8 @@ async fn reserve_and_publish(
         Ok(()) => {}
         Err(err) if err.never_sent() => {
             tracing::error!(error = %err, %reservation_id, "publish failed before sending; returning the units");
-            metrics::counter!("kafka_publish_failures_total", "sent" => "no").increment(1);
+            metrics::counter!("flashsale_kafka_publish_failures_total", "sent" => "no")
+                .increment(1);
             undo(state, &incoming).await;
             return Err(AppError::Unavailable("order queue unreachable"));
         }
@@ -244,7 +245,8 @@ async fn reserve_and_publish(
             // The message may still land: let MySQL decide, once, between its order
             // and its withdrawal.
             tracing::error!(error = %err, %reservation_id, "publish outcome unknown; withdrawing the reservation");
-            metrics::counter!("kafka_publish_failures_total", "sent" => "unknown").increment(1);
+            metrics::counter!("flashsale_kafka_publish_failures_total", "sent" => "unknown")
+                .increment(1);
             return withdraw(state, incoming, reserved).await;
         }
     }
@@ -285,7 +287,7 @@ async fn replicated(state: &AppState, activity_id: &str, reservation_id: &str) -
         Ok(true) => Ok(()),
         other => {
             tracing::warn!(?other, %reservation_id, "replicas did not acknowledge the reservation in time");
-            metrics::counter!("redis_replica_ack_failures_total").increment(1);
+            metrics::counter!("flashsale_redis_replica_ack_failures_total").increment(1);
             Err(AppError::Unavailable("stock store replicas unreachable"))
         }
     }

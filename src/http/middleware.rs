@@ -82,9 +82,9 @@ pub async fn track_metrics(req: Request, next: Next) -> Response<Body> {
     let method = req.method().as_str().to_owned();
     let response = next.run(req).await;
     let status = response.status().as_u16().to_string();
-    metrics::counter!("http_requests_total", "method" => method.clone(), "route" => route.clone(), "status" => status)
+    metrics::counter!("flashsale_http_requests_total", "method" => method.clone(), "route" => route.clone(), "status" => status)
         .increment(1);
-    metrics::histogram!("http_request_duration_seconds", "method" => method, "route" => route)
+    metrics::histogram!("flashsale_http_request_duration_seconds", "method" => method, "route" => route)
         .record(started.elapsed().as_secs_f64());
     response
 }
@@ -94,7 +94,7 @@ pub async fn overloaded(err: BoxError) -> AppError {
     if err.is::<tower::timeout::error::Elapsed>() {
         AppError::Unavailable("the request took too long")
     } else if err.is::<tower::load_shed::error::Overloaded>() {
-        metrics::counter!("http_requests_shed_total").increment(1);
+        metrics::counter!("flashsale_http_requests_shed_total").increment(1);
         AppError::Unavailable("the service is overloaded")
     } else {
         AppError::Internal(anyhow::anyhow!("unhandled middleware error: {err}"))
@@ -119,7 +119,7 @@ impl KeyExtractor for UserKeyExtractor {
 fn rate_limited(err: GovernorError) -> Response<Body> {
     match err {
         GovernorError::TooManyRequests { wait_time, .. } => {
-            metrics::counter!("rate_limited_total").increment(1);
+            metrics::counter!("flashsale_rate_limited_total").increment(1);
             AppError::RateLimited {
                 retry_after_secs: wait_time.max(1),
             }

@@ -31,6 +31,7 @@ use crate::state::AppState;
 
 pub use client_ip::{ClientIp, TrustedProxies};
 pub use middleware::RateLimiters;
+pub use ops::healthz;
 
 pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
     let settings = &state.settings.server;

@@ -51,7 +51,7 @@ pub async fn pay(
         .map_err(|_| AppError::not_found("no such order"))?;
     match state.orders.pay(id, &user.id).await? {
         PayOutcome::Paid(order) => {
-            metrics::counter!("orders_paid_total").increment(1);
+            metrics::counter!("flashsale_orders_paid_total").increment(1);
             tracing::info!(order_id = id, "order paid");
             Ok(Json(order.into()))
         }

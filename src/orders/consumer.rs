@@ -88,7 +88,7 @@ impl OrderWriter {
                 Ok(decisions) => return Some(Ok(decisions)),
                 Err(err) if is_permanent(&err) => return Some(Err(err)),
                 Err(err) => {
-                    metrics::counter!("consumer_transient_errors_total").increment(1);
+                    metrics::counter!("flashsale_consumer_transient_errors_total").increment(1);
                     tracing::warn!(error = %err, retry_in = ?backoff, "MySQL refused the batch; it will be retried");
                     tokio::select! {
                         _ = shutdown.cancelled() => return None,
@@ -200,7 +200,7 @@ impl OrderWriter {
                 }
                 Decision::Refused { available } => {
                     report.refused += 1;
-                    metrics::counter!("promises_broken_total").increment(1);
+                    metrics::counter!("flashsale_promises_broken_total").increment(1);
                     tracing::error!(
                         incident = true,
                         reservation_id = %m.reservation_id,
@@ -214,7 +214,8 @@ impl OrderWriter {
                         .await
                     {
                         Ok(Some(by)) if by > 0 => {
-                            metrics::counter!("redis_stock_lowered_total").increment(by as u64);
+                            metrics::counter!("flashsale_redis_stock_lowered_total")
+                                .increment(by as u64);
                         }
                         Ok(_) => {}
                         Err(err) => {
@@ -227,7 +228,7 @@ impl OrderWriter {
                     let outcome = self.give_back(m, RefundMode::Undo, "withdrawn").await;
                     if outcome == Some(RefundOutcome::Acknowledged) {
                         // Only a message MySQL refused as bad data gets here.
-                        metrics::counter!("promises_broken_total").increment(1);
+                        metrics::counter!("flashsale_promises_broken_total").increment(1);
                         tracing::error!(
                             incident = true,
                             reservation_id = %m.reservation_id,
@@ -259,7 +260,7 @@ impl OrderWriter {
                 Ok(0) => {}
                 Ok(adopted) => {
                     report.adopted += adopted;
-                    metrics::counter!("redis_lost_reservations_total").increment(adopted);
+                    metrics::counter!("flashsale_redis_lost_reservations_total").increment(adopted);
                     tracing::error!(
                         incident = true,
                         activity_id,
@@ -280,11 +281,13 @@ impl OrderWriter {
         if let Err(err) = self.repo.mark_units_returned(&returned).await {
             tracing::warn!(error = %err, "could not mark returned units; the sweeper retries (the refund is idempotent)");
         }
-        metrics::counter!("orders_created_total").increment(report.ordered as u64);
-        metrics::counter!("orders_duplicate_deliveries_total").increment(report.duplicates as u64);
-        metrics::counter!("orders_failed_total")
+        metrics::counter!("flashsale_orders_created_total").increment(report.ordered as u64);
+        metrics::counter!("flashsale_orders_duplicate_deliveries_total")
+            .increment(report.duplicates as u64);
+        metrics::counter!("flashsale_orders_failed_total")
             .increment((report.failed + report.superseded + report.refused) as u64);
-        metrics::counter!("reservations_withdrawn_total").increment(report.withdrawn as u64);
+        metrics::counter!("flashsale_reservations_withdrawn_total")
+            .increment(report.withdrawn as u64);
         report
     }
 
@@ -310,7 +313,7 @@ impl OrderWriter {
         {
             Ok(outcome) => {
                 if let RefundOutcome::Returned { units } = outcome {
-                    metrics::counter!("units_returned_total", "why" => why)
+                    metrics::counter!("flashsale_units_returned_total", "why" => why)
                         .increment(u64::from(units));
                 }
                 Some(outcome)
@@ -364,11 +367,12 @@ impl ConsumerContext for RebalanceReport {
         match rebalance {
             Rebalance::Assign(partitions) => {
                 tracing::info!(partitions = partitions.count(), "partitions assigned");
-                metrics::gauge!("consumer_assigned_partitions").set(partitions.count() as f64);
+                metrics::gauge!("flashsale_consumer_assigned_partitions")
+                    .set(partitions.count() as f64);
             }
             Rebalance::Revoke(_) => {
                 tracing::info!("partitions revoked");
-                metrics::gauge!("consumer_assigned_partitions").set(0.0);
+                metrics::gauge!("flashsale_consumer_assigned_partitions").set(0.0);
             }
             Rebalance::Error(err) => tracing::warn!(error = %err, "rebalance failed"),
         }
@@ -512,7 +516,7 @@ impl OrderConsumer {
         shutdown: &CancellationToken,
     ) -> bool {
         tracing::error!(%reason, "message sent to the dead-letter topic");
-        metrics::counter!("consumer_dead_letters_total").increment(1);
+        metrics::counter!("flashsale_consumer_dead_letters_total").increment(1);
         let mut backoff = Duration::from_millis(100);
         loop {
             match self

@@ -41,7 +41,7 @@ impl Sweeper {
                 break;
             }
         }
-        metrics::counter!("orders_cancelled_total").increment(report.cancelled as u64);
+        metrics::counter!("flashsale_orders_cancelled_total").increment(report.cancelled as u64);
         loop {
             let unreturned = self.repo.unreturned(BATCH).await?;
             let mut done = Vec::with_capacity(unreturned.len());
@@ -59,7 +59,7 @@ impl Sweeper {
                 {
                     Ok(outcome) => {
                         if let RefundOutcome::Returned { units } = outcome {
-                            metrics::counter!("units_returned_total", "why" => "sweeper")
+                            metrics::counter!("flashsale_units_returned_total", "why" => "sweeper")
                                 .increment(u64::from(units));
                         }
                         done.push(o.reservation_id.clone());

@@ -133,7 +133,7 @@ impl Publisher {
                     &mut *self.producer.write().unwrap_or_else(|p| p.into_inner()),
                     fresh,
                 );
-                metrics::counter!("kafka_producer_replaced_total").increment(1);
+                metrics::counter!("flashsale_kafka_producer_replaced_total").increment(1);
                 tracing::warn!("Kafka producer replaced after a failed delivery");
                 // Dropping a producer waits for its librdkafka threads; not on a
                 // runtime thread.
@@ -168,7 +168,7 @@ impl Publisher {
             self.replace_after_failure();
         }
         let outcome = if result.is_ok() { "ok" } else { "error" };
-        metrics::histogram!("kafka_publish_duration_seconds", "outcome" => outcome)
+        metrics::histogram!("flashsale_kafka_publish_duration_seconds", "outcome" => outcome)
             .record(started.elapsed().as_secs_f64());
         result
     }

@@ -130,7 +130,7 @@ impl Reconciler {
     }
 
     pub async fn reconcile_activity(&self, activity: &Activity) -> anyhow::Result<Report> {
-        metrics::counter!("reconcile_runs_total").increment(1);
+        metrics::counter!("flashsale_reconcile_runs_total").increment(1);
         let mut report = Report {
             activity_id: activity.id.clone(),
             checked_at: Utc::now(),
@@ -149,6 +149,9 @@ impl Reconciler {
                 None
             }
         };
+        if let Some(lag) = report.consumer_lag {
+            metrics::gauge!("flashsale_consumer_lag_messages").set(lag as f64);
+        }
         report.loaded = snapshot.loaded();
         if !report.loaded {
             // A split activity with some shards lost: the others still sell and
@@ -171,7 +174,7 @@ impl Reconciler {
                 .map_or(0, |a| a.redis_epoch);
             if epoch < mysql_epoch {
                 report.stale = true;
-                metrics::counter!("redis_stale_state_total").increment(1);
+                metrics::counter!("flashsale_redis_stale_state_total").increment(1);
                 tracing::error!(incident = true, activity_id = %activity.id, epoch, mysql_epoch, "Redis holds an older build of the activity");
                 self.recover(activity, PreloadMode::Force, &mut report)
                     .await?;
@@ -209,7 +212,7 @@ impl Reconciler {
             report.paused_automatically = self.activities.auto_pause(&activity.id).await?;
             if report.paused_automatically {
                 tracing::warn!(activity_id = %activity.id, "Redis lost the activity; paused it");
-                metrics::counter!("activity_auto_paused_total").increment(1);
+                metrics::counter!("flashsale_activity_auto_paused_total").increment(1);
             }
         }
         match self.rebuild(activity, mode, report.consumer_lag).await? {
@@ -221,7 +224,7 @@ impl Reconciler {
             Rebuild::Built(build) => {
                 report.rebuilt = true;
                 tracing::warn!(activity_id = %activity.id, available = build.available, buyers = build.buyers.len(), "activity rebuilt from MySQL");
-                metrics::counter!("activity_rebuilt_total").increment(1);
+                metrics::counter!("flashsale_activity_rebuilt_total").increment(1);
             }
             Rebuild::AlreadyLoaded => {}
         }
@@ -411,7 +414,7 @@ impl Reconciler {
                 }
                 let honoured = report.tally(&decisions, &Decision::Ordered);
                 report.honoured += honoured;
-                metrics::counter!("reconcile_honoured_reservations_total")
+                metrics::counter!("flashsale_reconcile_honoured_reservations_total")
                     .increment(honoured as u64);
                 writer.settle(&acked, &decisions).await;
             }
@@ -426,7 +429,7 @@ impl Reconciler {
                 let decisions: Vec<Decision> = decided.into_iter().map(|(_, d)| d).collect();
                 let withdrawn = report.tally(&decisions, &Decision::Withdrawn);
                 report.withdrawn += withdrawn;
-                metrics::counter!("reconcile_withdrawn_reservations_total")
+                metrics::counter!("flashsale_reconcile_withdrawn_reservations_total")
                     .increment(withdrawn as u64);
             }
             if !full {
@@ -490,10 +493,12 @@ impl Reconciler {
             return Ok(());
         }
         report.drift = audit.stock - audit.expected;
+        metrics::gauge!("flashsale_activity_drift_units", "activity_id" => activity.id.clone())
+            .set(report.drift as f64);
         if report.drift == 0 {
             return Ok(());
         }
-        metrics::counter!("reconcile_drift_found_total").increment(1);
+        metrics::counter!("flashsale_reconcile_drift_found_total").increment(1);
         tracing::warn!(activity_id = %activity.id, drift = report.drift, ?audit, "Redis stock differs from MySQL");
         if report.consumer_lag != Some(0) {
             report
@@ -514,7 +519,7 @@ impl Reconciler {
             .await?;
         report.repaired = repaired.repaired;
         if repaired.repaired {
-            metrics::counter!("reconcile_drift_repaired_total").increment(1);
+            metrics::counter!("flashsale_reconcile_drift_repaired_total").increment(1);
             tracing::warn!(activity_id = %activity.id, from = audit.stock, to = audit.expected, "Redis stock repaired from MySQL");
         } else {
             report

@@ -353,7 +353,7 @@ impl StockStore {
             Err(err)
                 if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
             {
-                metrics::counter!("redis_script_eval_fallbacks_total").increment(1);
+                metrics::counter!("flashsale_redis_script_eval_fallbacks_total").increment(1);
                 redis::cmd("EVAL")
                     .arg(lua.code)
                     .arg(keys.len())
@@ -410,7 +410,7 @@ impl StockStore {
                 0 => continue,
                 _ => {}
             }
-            metrics::counter!("stock_shard_transfers_total").increment(1);
+            metrics::counter!("flashsale_stock_shard_transfers_total").increment(1);
             left = match reserve(Some((transfer, lent, epoch))).await? {
                 ShardReserve::Done(outcome) => return Ok(outcome),
                 ShardReserve::Dry { left } => left,
@@ -514,7 +514,8 @@ impl StockStore {
                     .await?;
                 if n == 1 {
                     received += 1;
-                    metrics::counter!("stock_shard_transfers_finished_total").increment(1);
+                    metrics::counter!("flashsale_stock_shard_transfers_finished_total")
+                        .increment(1);
                 }
                 if n >= 0 {
                     let _: () = conn
@@ -1016,6 +1017,24 @@ impl StockStore {
             snap.shard_stock.push(stock);
         }
         Ok(snap)
+    }
+
+    /// When the oldest reservation still pending was made (ms), over every shard.
+    pub async fn oldest_pending_ms(
+        &self,
+        activity_id: &str,
+        shards: u8,
+    ) -> RedisResult<Option<i64>> {
+        let mut oldest: Option<i64> = None;
+        for k in Keys::all(activity_id, shards) {
+            let mut conn = self.conn.clone();
+            let first: Vec<(String, f64)> = conn.zrange_withscores(&k.pending, 0, 0).await?;
+            if let Some((_, score)) = first.first() {
+                let ms = *score as i64;
+                oldest = Some(oldest.map_or(ms, |o| o.min(ms)));
+            }
+        }
+        Ok(oldest)
     }
 
     /// The reservation id this user holds in Redis, if any (on their home shard).

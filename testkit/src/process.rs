@@ -540,6 +540,8 @@ pub fn flashsale(args: &[&str], env: &Env, log: PathBuf, name: &str) -> Proc {
     cmd.args(args)
         .env("FLASHSALE_CONFIG_DIR", &env.config_dir)
         .env("FLASHSALE_ENV", "test")
+        // Many consumers share a machine here: each takes a free port.
+        .env("FLASHSALE__CONSUMER__METRICS_ADDR", "127.0.0.1:0")
         .env_remove("RUST_LOG");
     for (k, v) in &env.vars {
         cmd.env(k, v);

@@ -46,14 +46,58 @@ async fn health_readiness_and_metrics() {
         .expect("sent");
     assert_eq!(resp.status(), StatusCode::OK);
     let text = resp.text().await.expect("text");
-    assert!(text.contains("http_requests_total"), "{text}");
+    for name in [
+        "flashsale_build_info",
+        "flashsale_http_requests_total",
+        "flashsale_process_resident_memory_bytes",
+        "flashsale_activity_units_left",
+        "flashsale_activity_reservations_pending",
+        "flashsale_activity_oldest_pending_age_seconds",
+        "flashsale_redis_up",
+    ] {
+        assert!(
+            text.contains(&format!("# HELP {name} ")),
+            "no HELP for {name}:\n{text}"
+        );
+    }
+    // Every sample is a flashsale_ metric.
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        assert!(line.starts_with("flashsale_"), "unprefixed: {line}");
+    }
+    assert!(
+        text.contains(&format!(
+            "flashsale_activity_units_left{{activity_id=\"{}\"}}",
+            sale.id
+        )),
+        "{text}"
+    );
+    promtool_accepts(&text);
+    // Every metric the alert rules and the dashboard use is one the service has.
+    for file in [
+        "deploy/prometheus/alerts.yml",
+        "deploy/grafana/flashsale.json",
+    ] {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+        let deployed = std::fs::read_to_string(&path).expect("deployment file");
+        let known: Vec<&str> = flashsale::telemetry::metric_names().collect();
+        for name in metric_names(&deployed) {
+            assert!(
+                known.contains(&name.as_str()),
+                "{file} uses {name}, which the service does not record"
+            );
+        }
+    }
+    assert!(text.contains("flashsale_http_requests_total"), "{text}");
     assert!(text.contains("route=\"/flash/{sku}/reserve\""), "{text}");
     assert!(
         text.contains("http_request_duration_seconds_bucket"),
         "{text}"
     );
     assert!(
-        text.contains("reservations_total{outcome=\"reserved\"}"),
+        text.contains("flashsale_reservations_total{outcome=\"reserved\"}"),
         "{text}"
     );
     assert!(
@@ -87,4 +131,113 @@ async fn every_answer_carries_a_request_id() {
         "abc-123"
     );
     app.stop().await;
+}
+
+/// `promtool check metrics` (Debian's prometheus package, installed by
+/// `scripts/tools.sh`) finds nothing to say about the exposition.
+fn promtool_accepts(text: &str) {
+    use std::io::Write;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool runs (scripts/tools.sh installs it)");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("metrics written to promtool");
+    let out = child.wait_with_output().expect("promtool finishes");
+    assert!(
+        out.status.success() && out.stdout.is_empty() && out.stderr.is_empty(),
+        "promtool check metrics:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `flashsale_…` names in a text, histogram suffixes dropped.
+fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("flashsale_") {
+        let tail = &rest[at..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+            .unwrap_or(tail.len());
+        let name = &tail[..end];
+        let name = name
+            .strip_suffix("_bucket")
+            .or_else(|| name.strip_suffix("_count"))
+            .or_else(|| name.strip_suffix("_sum"))
+            .unwrap_or(name);
+        if name != "flashsale_" && name != "flashsale_live" {
+            names.insert(name.to_owned());
+        }
+        rest = &tail[end..];
+    }
+    names
+}
+
+/// `flashsale consume` serves `/healthz` and `/metrics` on `consumer.metrics_addr`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_serves_metrics_and_health() {
+    let app = crate::helpers::spawn_app().await;
+    let s = &app.settings;
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let port = testkit::process::free_port();
+    let mut env = testkit::process::Env::new(
+        env!("CARGO_BIN_EXE_flashsale"),
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+    );
+    env.set(
+        "FLASHSALE__MYSQL__URL",
+        secrecy::ExposeSecret::expose_secret(&s.mysql.url),
+    );
+    env.set("FLASHSALE__REDIS__URL", &s.redis.url);
+    env.set("FLASHSALE__KAFKA__BROKERS", &s.kafka.brokers);
+    env.set("FLASHSALE__KAFKA__TOPIC", &s.kafka.topic);
+    env.set(
+        "FLASHSALE__KAFKA__DEAD_LETTER_TOPIC",
+        &s.kafka.dead_letter_topic,
+    );
+    env.set("FLASHSALE__KAFKA__GROUP_ID", &s.kafka.group_id);
+    // Set after the kit's own default (port 0), so this one wins.
+    env.set(
+        "FLASHSALE__CONSUMER__METRICS_ADDR",
+        format!("127.0.0.1:{port}"),
+    );
+    let mut consumer = testkit::process::flashsale(
+        &["consume"],
+        &env,
+        dir.path().join("consume.log"),
+        "consumer",
+    );
+    tokio::task::block_in_place(|| {
+        testkit::process::wait_for_port(port, std::time::Duration::from_secs(60), "consume")
+    });
+    let base = format!("http://127.0.0.1:{port}");
+    let health = app
+        .client
+        .get(format!("{base}/healthz"))
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(health.status(), StatusCode::OK);
+    let text = app
+        .client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("sent")
+        .text()
+        .await
+        .expect("text");
+    assert!(text.contains("# HELP flashsale_build_info "), "{text}");
+    assert!(text.contains("flashsale_process_open_fds"), "{text}");
+    promtool_accepts(&text);
+    consumer.terminate();
 }

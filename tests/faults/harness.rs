@@ -520,7 +520,11 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
             "every consumer to hold partitions",
             || async {
                 for i in 0..run.services.len() {
-                    if run.metric_of(i, "consumer_assigned_partitions").await < 1.0 {
+                    if run
+                        .metric_of(i, "flashsale_consumer_assigned_partitions")
+                        .await
+                        < 1.0
+                    {
                         return None;
                     }
                 }

@@ -26,7 +26,9 @@ impl Fault for ConsumerDown {
             tokio::time::sleep(Duration::from_secs(PENDING_DEADLINE_SECS * 4)).await;
             // Reservations outlived the deadline with no consumer: the reconciler
             // must have honoured them, never failed them.
-            let honoured = run.metric("reconcile_honoured_reservations_total").await;
+            let honoured = run
+                .metric("flashsale_reconcile_honoured_reservations_total")
+                .await;
             run.background_counts.push(honoured as usize);
             run.start_consumer();
             Ok(())

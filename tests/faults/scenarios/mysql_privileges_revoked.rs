@@ -25,11 +25,15 @@ impl Fault for MysqlPrivilegesRevoked {
         Box::pin(async move {
             let user = run.mysql_user.clone().ok_or("no user of its own")?;
             let on = format!("`{}`.`orders`", run.db);
-            let before = run.metric("consumer_transient_errors_total").await;
+            let before = run
+                .metric("flashsale_consumer_transient_errors_total")
+                .await;
             run.as_root(&format!("REVOKE INSERT ON {on} FROM '{user}'@'127.0.0.1'"))
                 .await?;
             tokio::time::sleep(Duration::from_secs(4)).await;
-            let during = run.metric("consumer_transient_errors_total").await;
+            let during = run
+                .metric("flashsale_consumer_transient_errors_total")
+                .await;
             run.as_root(&format!("GRANT INSERT ON {on} TO '{user}'@'127.0.0.1'"))
                 .await?;
             run.background_counts

@@ -26,7 +26,7 @@ impl Fault for ThreeInstances {
         Box::pin(async move {
             // Orders each instance's consumer wrote.
             for i in 0..run.services.len() {
-                let n = run.metric_of(i, "orders_created_total").await;
+                let n = run.metric_of(i, "flashsale_orders_created_total").await;
                 run.background_counts.push(n as usize);
             }
             println!(

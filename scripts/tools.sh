@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install the command-line tools the tests use besides the services, when missing:
+#
+#   promtool   checks the metrics output and the alert rules (Debian's prometheus)
+#
+# Idempotent; prints one line per tool.
+set -euo pipefail
+
+as_root() {
+    if [[ $EUID -eq 0 ]]; then "$@"; else sudo "$@"; fi
+}
+
+if command -v promtool >/dev/null 2>&1; then
+    echo "tools: promtool $(promtool --version 2>&1 | head -1 | awk '{print $3}') present"
+else
+    echo "tools: installing promtool (Debian package prometheus)"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    # The package starts a Prometheus server; the tests need only promtool.
+    as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+    pkill -x prometheus 2>/dev/null || true
+    echo "tools: promtool $(promtool --version 2>&1 | head -1 | awk '{print $3}') installed"
+fi
