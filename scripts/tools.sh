@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Install the command-line tools the tests use besides the services, when missing:
 #
-#   promtool   checks the metrics output and the alert rules (Debian's prometheus)
+#   promtool             checks the metrics output and the alert rules (Debian's
+#                        prometheus package)
+#   kubernetes-validate  checks the Kubernetes manifests offline against the API
+#                        schemas it bundles (PyPI, into .run/tools-venv)
 #
 # Idempotent; prints one line per tool.
 set -euo pipefail
@@ -20,4 +23,17 @@ else
     as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
     pkill -x prometheus 2>/dev/null || true
     echo "tools: promtool $(promtool --version 2>&1 | head -1 | awk '{print $3}') installed"
+fi
+
+REPO_ROOT="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd -P)"
+VENV="$REPO_ROOT/.run/tools-venv"
+KUBERNETES_VALIDATE_VERSION="1.37.0"
+installed="$("$VENV/bin/pip" show kubernetes-validate 2>/dev/null || true)"
+if [[ -x "$VENV/bin/kubernetes-validate" && "$installed" == *"Version: $KUBERNETES_VALIDATE_VERSION"* ]]; then
+    echo "tools: kubernetes-validate $KUBERNETES_VALIDATE_VERSION present"
+else
+    echo "tools: installing kubernetes-validate $KUBERNETES_VALIDATE_VERSION into .run/tools-venv"
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check \
+        "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
 fi

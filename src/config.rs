@@ -37,6 +37,10 @@ pub struct ServerSettings {
     pub request_timeout_ms: u64,
     pub body_limit_bytes: usize,
     pub shutdown_grace_secs: u64,
+    /// After SIGTERM, how long `/readyz` answers `503` while requests are still
+    /// served, before the server stops taking new ones.
+    #[serde(default = "default_drain_delay_secs")]
+    pub drain_delay_secs: u64,
     /// Proxies whose `X-Forwarded-For` names the client (addresses or CIDRs; as
     /// an environment variable, a comma-separated list).
     #[serde(default)]
@@ -122,6 +126,10 @@ pub struct ConsumerSettings {
     /// Where `flashsale consume` serves `/metrics` and `/healthz`.
     #[serde(default = "default_consumer_metrics_addr")]
     pub metrics_addr: String,
+}
+
+fn default_drain_delay_secs() -> u64 {
+    5
 }
 
 fn default_consumer_metrics_addr() -> String {

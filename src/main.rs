@@ -56,10 +56,10 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve => {
             settings.check_production_secrets(&config::environment())?;
             let app = Application::build(settings).await?;
-            let token = app.shutdown_token();
+            let drain = app.drain_token();
             tokio::spawn(async move {
                 startup::shutdown_signal().await;
-                token.cancel();
+                drain.cancel();
             });
             app.run_until_stopped().await
         }

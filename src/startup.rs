@@ -3,6 +3,7 @@
 //! until the shutdown token is cancelled, then drains in-flight work and flushes the
 //! producer.
 
+use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -129,6 +130,7 @@ impl Application {
             reconcile_now: Arc::new(Notify::new()),
             metrics,
             critical: TaskTracker::new(),
+            draining: CancellationToken::new(),
         });
         Ok(Application {
             listener,
@@ -147,9 +149,17 @@ impl Application {
         self.state.clone()
     }
 
-    /// Cancel this token to stop the application gracefully.
+    /// Cancel this token to stop the application gracefully, at once.
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()
+    }
+
+    /// Cancel this token to stop the way an orchestrator expects (SIGTERM):
+    /// `/readyz` turns `503` at once, the server keeps serving for
+    /// `server.drain_delay_secs` while load balancers notice, then stops taking
+    /// requests and finishes those in flight within `server.shutdown_grace_secs`.
+    pub fn drain_token(&self) -> CancellationToken {
+        self.state.draining.clone()
     }
 
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
@@ -171,18 +181,43 @@ impl Application {
 
         let app = http::router(state.clone(), &limiters);
         tracing::info!(addr = %listener.local_addr()?, "serving");
+        // Draining: not ready first, then, after the delay, the server stops.
+        let drain_delay = Duration::from_secs(state.settings.server.drain_delay_secs);
+        background.spawn({
+            let (draining, shutdown) = (state.draining.clone(), shutdown.clone());
+            async move {
+                tokio::select! {
+                    _ = draining.cancelled() => {
+                        tracing::info!(?drain_delay, "draining: not ready; stopping after the delay");
+                        tokio::select! {
+                            _ = tokio::time::sleep(drain_delay) => shutdown.cancel(),
+                            _ = shutdown.cancelled() => {}
+                        }
+                    }
+                    _ = shutdown.cancelled() => {}
+                }
+            }
+        });
+        let grace = Duration::from_secs(state.settings.server.shutdown_grace_secs);
         let stop = shutdown.clone();
-        axum::serve(
+        let server = axum::serve(
             listener,
             app.into_make_service_with_connect_info::<SocketAddr>(),
         )
         .with_graceful_shutdown(async move { stop.cancelled().await })
-        .await
-        .context("HTTP server failed")?;
+        .into_future();
+        // Requests in flight get the grace period; connections still open after
+        // it are closed.
+        tokio::select! {
+            served = server => served.context("HTTP server failed")?,
+            _ = async {
+                shutdown.cancelled().await;
+                tokio::time::sleep(grace).await;
+            } => tracing::warn!("requests still open at the end of the grace period; closing them"),
+        }
 
         // In-flight reservations finish (publish or refund) before the producer is
         // flushed and the process exits.
-        let grace = Duration::from_secs(state.settings.server.shutdown_grace_secs);
         state.critical.close();
         if tokio::time::timeout(grace, state.critical.wait())
             .await

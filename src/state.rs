@@ -6,6 +6,7 @@ use tokio::sync::Notify;
 
 use metrics_exporter_prometheus::PrometheusHandle;
 use sqlx::MySqlPool;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::activity::{ActivityCache, ActivityRepo};
@@ -35,6 +36,9 @@ pub struct Inner {
     /// Work that must finish even if the request that started it is dropped (a
     /// reservation between Redis and Kafka); shutdown waits for it.
     pub critical: TaskTracker,
+    /// Cancelled when the process was told to stop: `/readyz` answers `503` from
+    /// then on, so load balancers stop sending before the server stops.
+    pub draining: CancellationToken,
 }
 
 impl AppState {

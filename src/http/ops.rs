@@ -2,12 +2,14 @@
 
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
+use crate::error::AppError;
 use crate::state::AppState;
 
 const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
@@ -28,9 +30,33 @@ where
     }
 }
 
+#[derive(Debug, serde::Deserialize)]
+pub struct ReadyQuery {
+    role: Option<String>,
+}
+
 /// `200` when Redis, MySQL and the broker all answer; otherwise `503` naming what
-/// is down (the reason text stays in the log).
-pub async fn readyz(State(state): State<AppState>) -> Response {
+/// is down (the reason text stays in the log). `?role=api` asks for what taking
+/// reservations needs: Redis and the broker; MySQL is reported, not required
+/// (reservations are decided in Redis and wait in the topic while MySQL is down).
+/// While the process drains (SIGTERM) every role is `503`.
+pub async fn readyz(
+    State(state): State<AppState>,
+    query: Result<Query<ReadyQuery>, QueryRejection>,
+) -> Response {
+    let Ok(Query(query)) = query else {
+        return AppError::invalid("the query string does not parse").into_response();
+    };
+    let optional: &[&str] = match query.role.as_deref() {
+        None => &[],
+        Some("api") => &["mysql"],
+        Some(_) => {
+            return AppError::invalid("role must be \"api\" or absent").into_response();
+        }
+    };
+    if state.draining.is_cancelled() {
+        return not_ready("draining: the process is stopping".into(), json!({}));
+    }
     let (redis, mysql, kafka) = tokio::join!(
         bounded(state.stock.ping()),
         bounded(async {
@@ -51,7 +77,9 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
             Err(reason) => {
                 tracing::warn!(dependency = name, %reason, "readiness check failed");
                 checks.insert(name.into(), json!("down"));
-                down.push(name);
+                if !optional.contains(&name) {
+                    down.push(name);
+                }
             }
         }
     }
@@ -62,20 +90,27 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
         )
             .into_response()
     } else {
-        let mut response = (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({
-                "code": "unavailable",
-                "message": format!("not ready: {} down", down.join(", ")),
-                "checks": checks,
-            })),
+        not_ready(
+            format!("not ready: {} down", down.join(", ")),
+            serde_json::Value::Object(checks),
         )
-            .into_response();
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, header::HeaderValue::from(1));
-        response
     }
+}
+
+fn not_ready(message: String, checks: serde_json::Value) -> Response {
+    let mut response = (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({
+            "code": "unavailable",
+            "message": message,
+            "checks": checks,
+        })),
+    )
+        .into_response();
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, header::HeaderValue::from(1));
+    response
 }
 
 /// `/metrics`: the process's figures and, read at each scrape, each current

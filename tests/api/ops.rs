@@ -241,3 +241,78 @@ async fn the_consumer_serves_metrics_and_health() {
     promtool_accepts(&text);
     consumer.terminate();
 }
+
+/// Stopping as an orchestrator expects: not ready at once, still serving for the
+/// drain delay, then stopped within the grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draining_turns_readiness_off_before_the_server_stops() {
+    let app = crate::helpers::spawn_app_with(|s| {
+        s.server.drain_delay_secs = 2;
+        s.server.shutdown_grace_secs = 3;
+    })
+    .await;
+    let sale = app.open_sale(5, 1).await;
+    app.state.draining.cancel();
+    let resp = app
+        .client
+        .get(app.url("/readyz"))
+        .send()
+        .await
+        .expect("sent");
+    let body =
+        crate::helpers::assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("draining")),
+        "{body}"
+    );
+    assert_eq!(
+        app.reserve(&sale.sku, "during-drain", None).await.status(),
+        StatusCode::ACCEPTED,
+        "requests are still served while load balancers notice"
+    );
+    let healthz = app.url("/healthz");
+    let client = app.client.clone();
+    let stopped = tokio::time::timeout(std::time::Duration::from_secs(30), app.server)
+        .await
+        .expect("the server stops within the delay and the grace period")
+        .expect("server task joins");
+    stopped.expect("server stops cleanly");
+    assert!(
+        client.get(healthz).send().await.is_err(),
+        "no longer listening"
+    );
+}
+
+/// `?role=api` needs Redis and the broker; MySQL down is reported, not fatal.
+#[tokio::test]
+async fn an_api_instance_is_ready_without_mysql() {
+    let relay = crate::helpers::Relay::start("127.0.0.1:3306").await;
+    let port = relay.port;
+    let app = crate::helpers::spawn_app_with(|s| {
+        let url = secrecy::ExposeSecret::expose_secret(&s.mysql.url)
+            .replace(":3306/", &format!(":{port}/"));
+        s.mysql.url = secrecy::SecretString::from(url);
+        s.mysql.acquire_timeout_ms = 500;
+    })
+    .await;
+    let ready = |path: &'static str| {
+        let (client, url) = (app.client.clone(), app.url(path));
+        async move { client.get(url).send().await.expect("sent") }
+    };
+    assert_eq!(ready("/readyz?role=api").await.status(), StatusCode::OK);
+    relay.down();
+    let resp = ready("/readyz").await;
+    let body =
+        crate::helpers::assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    assert_eq!(body["checks"]["mysql"], "down", "{body}");
+    let resp = ready("/readyz?role=api").await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let body: serde_json::Value = resp.json().await.expect("JSON");
+    assert_eq!(body["checks"]["mysql"], "down", "reported: {body}");
+    assert_eq!(body["checks"]["redis"], "ok", "{body}");
+    let resp = ready("/readyz?role=nonsense").await;
+    crate::helpers::assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
+    relay.up();
+}
