@@ -5,6 +5,8 @@
 #                        prometheus package)
 #   kubernetes-validate  checks the Kubernetes manifests offline against the API
 #                        schemas it bundles (PyPI, into .run/tools-venv)
+#   chromium, chromedriver  the operators' page's browser test (Debian's chromium
+#                        and chromium-driver packages)
 #
 # Idempotent; prints one line per tool.
 set -euo pipefail
@@ -36,4 +38,14 @@ else
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --disable-pip-version-check \
         "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
+fi
+
+if command -v chromedriver >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1; then
+    echo "tools: chromium and chromedriver present"
+else
+    echo "tools: installing chromium and chromedriver (Debian packages chromium, chromium-driver)"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
+        chromium chromium-driver >/dev/null
+    echo "tools: $(chromedriver --version | head -1) installed"
 fi

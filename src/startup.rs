@@ -116,6 +116,7 @@ impl Application {
             stock: stock.clone(),
             kafka: settings.kafka.clone(),
             pending_deadline: Duration::from_secs(settings.reconcile.pending_deadline_secs),
+            last: Arc::default(),
         };
         let state = AppState::new(Inner {
             settings,
@@ -361,6 +362,7 @@ pub async fn reconcile_once(
         stock: StockStore::new(redis),
         kafka: settings.kafka.clone(),
         pending_deadline: Duration::from_secs(settings.reconcile.pending_deadline_secs),
+        last: Arc::default(),
     };
     let mut reports = Vec::new();
     match activity {

@@ -127,6 +127,16 @@ impl ActivityRepo {
         .await
     }
 
+    /// The newest activities first, at most `limit`.
+    pub async fn list(&self, limit: u32) -> Result<Vec<Activity>, sqlx::Error> {
+        sqlx::query_as(&format!(
+            "SELECT {COLUMNS} FROM activities ORDER BY created_at DESC, id LIMIT ?"
+        ))
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+    }
+
     /// The operator's switch; it also clears an automatic pause.
     pub async fn set_paused(&self, id: &str, paused: bool) -> Result<bool, sqlx::Error> {
         let done =

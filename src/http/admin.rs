@@ -173,19 +173,50 @@ pub async fn resume(
 /// `GET /admin/activities/{id}`: the row plus live figures from Redis and MySQL.
 pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> AppResult<Json<Value>> {
     let activity = load(&state, &id).await?;
+    Ok(Json(describe(&state, &activity).await?))
+}
+
+/// Most activities `GET /admin/activities` lists.
+const LIST_LIMIT: u32 = 100;
+
+/// `GET /admin/activities`: the newest activities first (at most 100), each as
+/// `GET /admin/activities/{id}` shows it.
+pub async fn list(State(state): State<AppState>) -> AppResult<Json<Vec<Value>>> {
+    let mut out = Vec::new();
+    for activity in state.activities.list(LIST_LIMIT).await? {
+        out.push(describe(&state, &activity).await?);
+    }
+    Ok(Json(out))
+}
+
+/// An activity with its live figures: Redis's (units left, pending reservations
+/// and the oldest's age), MySQL's (orders by status), and what this instance's
+/// reconciler and consumer last saw (drift, consumer lag, dead letters).
+async fn describe(state: &AppState, activity: &Activity) -> AppResult<Value> {
+    let id = &activity.id;
     let orders: BTreeMap<String, i64> = state
         .activities
-        .order_counts(&id)
+        .order_counts(id)
         .await?
         .into_iter()
         .collect();
-    let live = match state.stock.snapshot(&id, activity.stock_shards).await {
-        Ok(s) => json!({
+    let now_ms = Utc::now().timestamp_millis();
+    let redis = async {
+        let s = state.stock.snapshot(id, activity.stock_shards).await?;
+        let oldest = state
+            .stock
+            .oldest_pending_ms(id, activity.stock_shards)
+            .await?;
+        Ok::<_, redis::RedisError>((s, oldest))
+    };
+    let mut live = match redis.await {
+        Ok((s, oldest)) => json!({
             "loaded": s.loaded(),
             "redis_stock": s.stock,
             "redis_stock_by_shard": s.shard_stock,
             "redis_state": s.state,
             "reservations_pending": s.pending,
+            "oldest_pending_age_ms": oldest.map(|ms| (now_ms - ms).max(0)),
             "buyers": s.buyers,
         }),
         Err(err) => {
@@ -193,13 +224,47 @@ pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> AppRe
             json!({ "loaded": Value::Null, "error": "stock store unreachable" })
         }
     };
-    let mut out = serde_json::to_value(&activity)
+    if let Value::Object(map) = &mut live {
+        let last = state.reconciler.last_report(id);
+        map.insert(
+            "reconciler".into(),
+            last.map_or(Value::Null, |r| {
+                json!({
+                    "checked_at": r.checked_at,
+                    "drift": r.drift,
+                    "repaired": r.repaired,
+                    "consumer_lag": r.consumer_lag,
+                    "notes": r.refused,
+                })
+            }),
+        );
+        map.insert(
+            "dead_letters_seen".into(),
+            json!(crate::orders::dead_letters_seen()),
+        );
+    }
+    let mut out = serde_json::to_value(activity)
         .map_err(|e| AppError::Internal(anyhow::Error::new(e).context("serialising activity")))?;
     if let Value::Object(map) = &mut out {
         map.insert("live".into(), live);
         map.insert("orders_by_status".into(), json!(orders));
     }
-    Ok(Json(out))
+    Ok(out)
+}
+
+/// `GET /admin/ui`: the operators' live-sale page. It holds no data: it asks for
+/// the admin token and then calls the admin API from the browser.
+pub async fn ui() -> impl axum::response::IntoResponse {
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (
+                axum::http::header::CONTENT_SECURITY_POLICY,
+                "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'",
+            ),
+        ],
+        include_str!("ui.html"),
+    )
 }
 
 /// `POST /admin/activities/{id}/reconcile`: one reconciler pass, and its report.

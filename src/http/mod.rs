@@ -49,7 +49,7 @@ pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
     ));
 
     let admin_routes = Router::new()
-        .route("/admin/activities", post(admin::create))
+        .route("/admin/activities", post(admin::create).get(admin::list))
         .route("/admin/activities/{id}", get(admin::get))
         .route("/admin/activities/{id}/preload", post(admin::preload))
         .route("/admin/activities/{id}/pause", post(admin::pause))
@@ -75,6 +75,7 @@ pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
         // Operations endpoints stay outside the load shedding and rate limits, so a
         // saturated instance can still be probed and scraped.
         .route("/healthz", get(ops::healthz))
+        .route("/admin/ui", get(admin::ui))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics));
     observe(protect(app, settings).merge(ops), settings).with_state(state)

@@ -29,6 +29,14 @@ use crate::config::Settings;
 use crate::queue::{Publisher, ReservationMessage};
 use crate::stock::{FateChange, RefundMode, RefundOutcome, StockStore};
 
+/// Messages this process's consumer sent to the dead-letter topic.
+static DEAD_LETTERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many messages this process's consumer dead-lettered since it started.
+pub fn dead_letters_seen() -> u64 {
+    DEAD_LETTERS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// What happened to one batch, for tests, benchmarks and logs.
@@ -517,6 +525,7 @@ impl OrderConsumer {
     ) -> bool {
         tracing::error!(%reason, "message sent to the dead-letter topic");
         metrics::counter!("flashsale_consumer_dead_letters_total").increment(1);
+        DEAD_LETTERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut backoff = Duration::from_millis(100);
         loop {
             match self

@@ -5,7 +5,7 @@ pub mod consumer;
 mod repo;
 pub mod sweeper;
 
-pub use consumer::{OrderConsumer, OrderWriter};
+pub use consumer::{dead_letters_seen, OrderConsumer, OrderWriter};
 pub use repo::{
     is_permanent, Decision, Incoming, NewRows, Order, OrderRepo, OrderStatus, PayOutcome,
 };

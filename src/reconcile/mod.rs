@@ -117,9 +117,25 @@ pub struct Reconciler {
     pub stock: StockStore,
     pub kafka: KafkaSettings,
     pub pending_deadline: Duration,
+    /// The last report of each activity this instance reconciled.
+    pub last: Arc<std::sync::Mutex<std::collections::HashMap<String, Report>>>,
 }
 
 impl Reconciler {
+    /// The last report this instance made for an activity.
+    pub fn last_report(&self, activity_id: &str) -> Option<Report> {
+        let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        last.get(activity_id).cloned()
+    }
+
+    fn remember(&self, report: &Report) {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.len() > 1_000 {
+            last.clear();
+        }
+        last.insert(report.activity_id.clone(), report.clone());
+    }
+
     pub async fn reconcile(&self, activity_id: &str) -> anyhow::Result<Report> {
         let activity = self
             .activities
@@ -192,6 +208,7 @@ impl Reconciler {
             .await?;
         report.topups_finished = self.finish_topups(activity).await?;
         self.audit(activity, &mut report).await?;
+        self.remember(&report);
         Ok(report)
     }
 

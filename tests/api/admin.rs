@@ -286,3 +286,26 @@ async fn windows_past_2038_are_stored_faithfully() {
         assert_eq!(again["ends_at"], body["ends_at"]);
     }
 }
+
+#[tokio::test]
+async fn activities_are_listed_newest_first_with_live_figures() {
+    let app = spawn_app().await;
+    let older = app.open_sale(3, 1).await;
+    let newer = app.open_sale(4, 1).await;
+    let resp = app
+        .client
+        .get(app.url("/admin/activities"))
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    let resp = app.admin_get("/admin/activities").await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let list: Vec<Value> = resp.json().await.expect("JSON");
+    let at = |id: &str| list.iter().position(|a| a["id"] == id).expect("listed");
+    assert!(at(&newer.id) < at(&older.id), "newest first");
+    let entry = &list[at(&newer.id)];
+    assert_eq!(entry["live"]["redis_stock"], 4, "{entry}");
+    assert_eq!(entry["live"]["reservations_pending"], 0, "{entry}");
+    assert!(entry["orders_by_status"].is_object(), "{entry}");
+}

@@ -11,3 +11,4 @@ mod reconcile;
 mod reserve;
 mod shards;
 mod topup;
+mod ui;
