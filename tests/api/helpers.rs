@@ -63,6 +63,12 @@ pub struct TestApp {
     pub server: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
+/// The order consumer runs inside the app, with short batches.
+pub fn with_workers(s: &mut Settings) {
+    s.consumer.enabled = true;
+    s.consumer.batch_wait_ms = 10;
+}
+
 pub async fn spawn_app() -> TestApp {
     spawn_app_with(|_| {}).await
 }

@@ -11,15 +11,11 @@ use secrecy::{ExposeSecret, SecretString};
 use serde_json::Value;
 
 use crate::helpers::{
-    assert_error, db_available, eventually, order_counts, spawn_app_with, topic_len, Relay, TestApp,
+    assert_error, db_available, eventually, order_counts, spawn_app_with, topic_len, with_workers,
+    Relay, TestApp,
 };
 
 const WAIT: Duration = Duration::from_secs(60);
-
-fn with_workers(s: &mut flashsale::config::Settings) {
-    s.consumer.enabled = true;
-    s.consumer.batch_wait_ms = 10;
-}
 
 async fn reservation(app: &TestApp, sku: &str, user: &str) -> (StatusCode, Value) {
     let resp = app

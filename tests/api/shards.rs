@@ -11,7 +11,9 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use testkit::sale::SaleSpec;
 
-use crate::helpers::{assert_error, eventually, order_counts, spawn_app, spawn_app_with, TestApp};
+use crate::helpers::{
+    assert_error, eventually, order_counts, spawn_app, spawn_app_with, with_workers, TestApp,
+};
 use crate::reserve::crowd;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -253,11 +255,7 @@ async fn the_reconciler_finishes_a_transfer_left_half_done() {
 /// again and puts each buyer back on their home shard.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_and_preload_cover_every_shard() {
-    let app = spawn_app_with(|s| {
-        s.consumer.enabled = true;
-        s.consumer.batch_wait_ms = 10;
-    })
-    .await;
+    let app = spawn_app_with(with_workers).await;
     let sale = app.open_sale_spec(&spec(6, 1, 3)).await;
     let buyers: Vec<String> = (0..4).map(|i| format!("early-{i}")).collect();
     for b in &buyers {
@@ -346,11 +344,7 @@ async fn pause_and_preload_cover_every_shard() {
 /// hold the sale: the whole activity is rebuilt, and nothing is sold twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_shard_rebuilds_the_whole_sale() {
-    let app = spawn_app_with(|s| {
-        s.consumer.enabled = true;
-        s.consumer.batch_wait_ms = 10;
-    })
-    .await;
+    let app = spawn_app_with(with_workers).await;
     let sale = app.open_sale_spec(&spec(6, 1, 3)).await;
     for i in 0..3 {
         assert_eq!(

@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use testkit::invariants::Answer;
 use testkit::sale::SaleSpec;
 
-use crate::helpers::{assert_error, eventually, spawn_app, spawn_app_with};
+use crate::helpers::{assert_error, eventually, spawn_app, spawn_app_with, with_workers};
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -19,11 +19,7 @@ const WAIT: Duration = Duration::from_secs(60);
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_top_up_mid_sale_sells_exactly_the_new_stock() {
     for shards in [1u8, 3] {
-        let app = spawn_app_with(|s| {
-            s.consumer.enabled = true;
-            s.consumer.batch_wait_ms = 10;
-        })
-        .await;
+        let app = spawn_app_with(with_workers).await;
         let sale = app
             .open_sale_spec(&SaleSpec {
                 stock_shards: shards,
