@@ -25,7 +25,7 @@ done
 # One closing line for the whole run: every libtest summary plus the fault
 # suite's own, added up.
 log=$(mktemp)
-trap 'rm -f "$log" "$log.err"' EXIT
+trap 'rm -f "$log" "$log.err" "$log.openapi.json"' EXIT
 set +e
 cargo test --workspace --locked --no-fail-fast "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
@@ -47,6 +47,18 @@ if [[ $# -eq 0 ]]; then
             failed=$((failed + 1)); echo "FAILED: $check"; cat "$log.err"
         fi
     done
+    echo "== the OpenAPI document, linted, and the running API fuzzed against it (schemathesis)"
+    if target/debug/flashsale openapi >"$log.openapi.json" \
+        && .run/tools-venv/bin/openapi-spec-validator "$log.openapi.json"; then
+        passed=$((passed + 1))
+    else
+        failed=$((failed + 1)); echo "FAILED: the OpenAPI document does not validate"
+    fi
+    if scripts/fuzz.sh; then
+        passed=$((passed + 1))
+    else
+        failed=$((failed + 1)); echo "FAILED: scripts/fuzz.sh"
+    fi
     echo "deployment checks: $passed passed, $failed failed" | tee -a "$log"
     [[ $failed -eq 0 ]] || status=1
 fi

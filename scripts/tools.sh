@@ -7,6 +7,8 @@
 #                        schemas it bundles (PyPI, into .run/tools-venv)
 #   chromium, chromedriver  the operators' page's browser test (Debian's chromium
 #                        and chromium-driver packages)
+#   schemathesis, openapi-spec-validator  the API fuzzed against its OpenAPI
+#                        document, and the document linted (PyPI, .run/tools-venv)
 #
 # Idempotent; prints one line per tool.
 set -euo pipefail
@@ -29,16 +31,18 @@ fi
 
 REPO_ROOT="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd -P)"
 VENV="$REPO_ROOT/.run/tools-venv"
-KUBERNETES_VALIDATE_VERSION="1.37.0"
-installed="$("$VENV/bin/pip" show kubernetes-validate 2>/dev/null || true)"
-if [[ -x "$VENV/bin/kubernetes-validate" && "$installed" == *"Version: $KUBERNETES_VALIDATE_VERSION"* ]]; then
-    echo "tools: kubernetes-validate $KUBERNETES_VALIDATE_VERSION present"
-else
-    echo "tools: installing kubernetes-validate $KUBERNETES_VALIDATE_VERSION into .run/tools-venv"
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --disable-pip-version-check \
-        "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
-fi
+PYTHON_TOOLS=(kubernetes-validate==1.37.0 schemathesis==4.32.5 openapi-spec-validator==0.9.0)
+for req in "${PYTHON_TOOLS[@]}"; do
+    name=${req%%==*} version=${req##*==}
+    installed="$("$VENV/bin/pip" show "$name" 2>/dev/null || true)"
+    if [[ "$installed" == *"Version: $version"* ]]; then
+        echo "tools: $name $version present"
+    else
+        echo "tools: installing $name $version into .run/tools-venv"
+        [[ -x "$VENV/bin/pip" ]] || python3 -m venv "$VENV"
+        "$VENV/bin/pip" install --quiet --disable-pip-version-check "$req"
+    fi
+done
 
 if command -v chromedriver >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1; then
     echo "tools: chromium and chromedriver present"

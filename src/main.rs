@@ -36,6 +36,8 @@ enum Command {
     },
     /// Create the database if needed and apply the migrations.
     Migrate,
+    /// Print the OpenAPI 3.1 document of the HTTP API (as `GET /openapi.json`).
+    Openapi,
     /// Print a signed user token, for trying the API by hand.
     Token {
         /// The user id (the token's `sub`).
@@ -88,6 +90,16 @@ async fn main() -> anyhow::Result<()> {
         Command::Migrate => {
             startup::migrate(&settings.mysql).await?;
             println!("migrations applied");
+            Ok(())
+        }
+        Command::Openapi => {
+            use utoipa::OpenApi;
+            println!(
+                "{}",
+                flashsale::http::ApiDoc::openapi()
+                    .to_pretty_json()
+                    .context("cannot write the OpenAPI document")?
+            );
             Ok(())
         }
         Command::Token { user, ttl_secs } => {

@@ -13,7 +13,7 @@ pub use repo::{ActivityRepo, CreateError, TopUpError};
 use crate::error::AppError;
 
 /// An activity row.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct Activity {
     pub id: String,
     pub sku: String,
@@ -57,19 +57,40 @@ impl Activity {
 }
 
 /// Body of `POST /admin/activities`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewActivity {
+    /// Generated when absent.
+    #[schema(pattern = "^[A-Za-z0-9_-]{1,64}$")]
     pub id: Option<String>,
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,128}$")]
     pub sku: String,
+    #[serde(deserialize_with = "crate::http::whole_i64")]
+    #[schema(minimum = 1, maximum = 10_000_000)]
     pub stock: i64,
-    #[serde(default = "default_per_user_limit")]
+    /// At most `stock`.
+    #[serde(
+        default = "default_per_user_limit",
+        deserialize_with = "crate::http::whole_i64"
+    )]
+    #[schema(minimum = 1, maximum = 10_000_000)]
     pub per_user_limit: i64,
+    /// Between the years 1970 and 9999.
     pub starts_at: DateTime<Utc>,
+    /// After `starts_at`, before the year 10000.
     pub ends_at: DateTime<Utc>,
-    #[serde(default = "default_payment_timeout")]
+    #[serde(
+        default = "default_payment_timeout",
+        deserialize_with = "crate::http::whole_i64"
+    )]
+    #[schema(minimum = 1, maximum = 604_800)]
     pub payment_timeout_secs: i64,
-    #[serde(default = "default_stock_shards")]
+    /// How many hash tags the Redis stock is split over.
+    #[serde(
+        default = "default_stock_shards",
+        deserialize_with = "crate::http::whole_i64"
+    )]
+    #[schema(minimum = 1, maximum = 64)]
     pub stock_shards: i64,
 }
 

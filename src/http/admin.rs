@@ -19,6 +19,21 @@ use crate::reconcile::Rebuild;
 use crate::state::AppState;
 use crate::stock::PreloadMode;
 
+#[utoipa::path(
+    post,
+    path = "/admin/activities",
+    tag = "operators",
+    security(("admin" = [])),
+    request_body = NewActivity,
+    responses(
+        (status = 201, description = "The stored activity", body = Activity),
+        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
+        (status = 409, description = "conflict: the id exists, or the SKU has an overlapping window", body = crate::http::openapi::ErrorBody),
+        (status = 413, description = "payload_too_large", body = crate::http::openapi::ErrorBody),
+        (status = 422, description = "invalid_request", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `POST /admin/activities`
 pub async fn create(
     State(state): State<AppState>,
@@ -61,12 +76,26 @@ fn redis_down(err: redis::RedisError) -> AppError {
     AppError::Unavailable("stock store unreachable")
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct Preloaded {
     stock: i64,
     buyers: usize,
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/activities/{id}/preload",
+    tag = "operators",
+    security(("admin" = [])),
+    params(("id" = String, Path, description = "The activity's id")),
+    responses(
+        (status = 200, description = "Redis rebuilt from MySQL", body = Preloaded),
+        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
+        (status = 409, description = "conflict: loaded, open and not paused", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable: the consumers are draining the queue, or Redis or MySQL is unreachable", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `POST /admin/activities/{id}/preload`: (re)builds the Redis state from MySQL,
 /// as safely as the automatic rebuild (`Reconciler::rebuild`). An activity that is
 /// not loaded is loaded whatever its window; a loaded one is refused while it is
@@ -154,6 +183,19 @@ async fn set_paused(state: &AppState, id: &str, paused: bool) -> AppResult<Json<
     Ok(Json(load(state, id).await?))
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/activities/{id}/pause",
+    tag = "operators",
+    security(("admin" = [])),
+    params(("id" = String, Path, description = "The activity's id")),
+    responses(
+        (status = 200, description = "The activity, paused", body = Activity),
+        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `POST /admin/activities/{id}/pause`
 pub async fn pause(
     State(state): State<AppState>,
@@ -162,6 +204,19 @@ pub async fn pause(
     set_paused(&state, &id, true).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/activities/{id}/resume",
+    tag = "operators",
+    security(("admin" = [])),
+    params(("id" = String, Path, description = "The activity's id")),
+    responses(
+        (status = 200, description = "The activity, resumed", body = Activity),
+        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `POST /admin/activities/{id}/resume`
 pub async fn resume(
     State(state): State<AppState>,
@@ -170,6 +225,19 @@ pub async fn resume(
     set_paused(&state, &id, false).await
 }
 
+#[utoipa::path(
+    get,
+    path = "/admin/activities/{id}",
+    tag = "operators",
+    security(("admin" = [])),
+    params(("id" = String, Path, description = "The activity's id")),
+    responses(
+        (status = 200, description = "The activity with `live` (Redis's figures, the reconciler's last report) and `orders_by_status`", body = Object),
+        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `GET /admin/activities/{id}`: the row plus live figures from Redis and MySQL.
 pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> AppResult<Json<Value>> {
     let activity = load(&state, &id).await?;
@@ -179,6 +247,17 @@ pub async fn get(State(state): State<AppState>, Path(id): Path<String>) -> AppRe
 /// Most activities `GET /admin/activities` lists.
 const LIST_LIMIT: u32 = 100;
 
+#[utoipa::path(
+    get,
+    path = "/admin/activities",
+    tag = "operators",
+    security(("admin" = [])),
+    responses(
+        (status = 200, description = "The newest 100 activities, each as GET /admin/activities/{id} shows it", body = Vec<Object>),
+        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `GET /admin/activities`: the newest activities first (at most 100), each as
 /// `GET /admin/activities/{id}` shows it.
 pub async fn list(State(state): State<AppState>) -> AppResult<Json<Vec<Value>>> {
@@ -252,6 +331,12 @@ async fn describe(state: &AppState, activity: &Activity) -> AppResult<Value> {
     Ok(out)
 }
 
+#[utoipa::path(
+    get,
+    path = "/admin/ui",
+    tag = "operations",
+    responses((status = 200, description = "The operators' page (HTML; it asks for the admin token)", content_type = "text/html"))
+)]
 /// `GET /admin/ui`: the operators' live-sale page. It holds no data: it asks for
 /// the admin token and then calls the admin API from the browser.
 pub async fn ui() -> impl axum::response::IntoResponse {
@@ -267,6 +352,19 @@ pub async fn ui() -> impl axum::response::IntoResponse {
     )
 }
 
+#[utoipa::path(
+    post,
+    path = "/admin/activities/{id}/reconcile",
+    tag = "operators",
+    security(("admin" = [])),
+    params(("id" = String, Path, description = "The activity's id")),
+    responses(
+        (status = 200, description = "What differed between Redis and MySQL, and what was done", body = crate::reconcile::Report),
+        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `POST /admin/activities/{id}/reconcile`: one reconciler pass, and its report.
 pub async fn reconcile(
     State(state): State<AppState>,
@@ -283,15 +381,33 @@ pub async fn reconcile(
 }
 
 /// Body of `POST /admin/activities/{id}/stock`.
-#[derive(Debug, serde::Deserialize)]
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct TopUp {
+pub struct TopUp {
+    /// Units to add, 1 to 1,000,000.
+    #[schema(value_type = u32, minimum = 1, maximum = 1_000_000)]
     add: serde_json::Value,
 }
 
 /// Most units one top-up may add.
 const MAX_TOP_UP: u64 = 1_000_000;
 
+#[utoipa::path(
+    post,
+    path = "/admin/activities/{id}/stock",
+    tag = "operators",
+    security(("admin" = [])),
+    params(("id" = String, Path, description = "The activity's id")),
+    request_body = TopUp,
+    responses(
+        (status = 200, description = "The activity with N more units, in MySQL and in Redis", body = Activity),
+        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
+        (status = 413, description = "payload_too_large", body = crate::http::openapi::ErrorBody),
+        (status = 422, description = "invalid_request", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `POST /admin/activities/{id}/stock`: N more units, during a sale too. MySQL
 /// first (stock, available and the top-up's record in one transaction), then
 /// Redis once (`StockStore::top_up`); if Redis cannot take it now, the reconciler
@@ -304,9 +420,7 @@ pub async fn top_up(
 ) -> AppResult<Json<Activity>> {
     let bytes = body::read(raw, state.settings.server.body_limit_bytes)?;
     let body: TopUp = body::required_json(&bytes)?;
-    let units = body
-        .add
-        .as_u64()
+    let units = body::whole_number(&body.add)
         .filter(|n| (1..=MAX_TOP_UP).contains(n))
         .and_then(|n| u32::try_from(n).ok())
         .ok_or_else(|| {

@@ -29,16 +29,27 @@ fn activity_for(state: &AppState, sku: &str, now: DateTime<Utc>) -> AppResult<Ar
         .ok_or_else(|| AppError::not_found("no sale for this sku"))
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct SaleStatus {
     activity_id: String,
     sku: String,
     starts_at: DateTime<Utc>,
     ends_at: DateTime<Utc>,
+    /// upcoming, open, sold_out, paused or ended.
     state: &'static str,
     stock_left: i64,
 }
 
+#[utoipa::path(
+    get,
+    path = "/flash/{sku}",
+    tag = "users",
+    params(("sku" = String, Path, description = "The SKU on sale")),
+    responses(
+        (status = 200, description = "The sale's state and units left", body = SaleStatus),
+        (status = 404, description = "not_found: no sale for this SKU", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `GET /flash/{sku}`: public, answered from the cache and one Redis round trip.
 pub async fn status(
     State(state): State<AppState>,
@@ -80,12 +91,15 @@ pub async fn status(
     }))
 }
 
-#[derive(Debug, Deserialize)]
-struct ReserveBody {
+/// Optional body of a reservation.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct ReserveBody {
+    /// Units to reserve, 1 to the activity's per-user limit (default 1).
+    #[schema(value_type = Option<u32>, minimum = 1)]
     quantity: Option<serde_json::Value>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct Reserved {
     reservation_id: String,
     activity_id: String,
@@ -100,14 +114,32 @@ fn parse_quantity(bytes: &[u8]) -> AppResult<u32> {
     };
     match body.quantity {
         None => Ok(1),
-        Some(v) => v
-            .as_u64()
+        Some(v) => body::whole_number(&v)
             .filter(|q| *q >= 1)
             .and_then(|q| u32::try_from(q).ok())
             .ok_or_else(|| AppError::invalid("quantity must be a positive integer")),
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/flash/{sku}/reserve",
+    tag = "users",
+    security(("user" = [])),
+    params(("sku" = String, Path, description = "The SKU on sale")),
+    request_body(content = Option<ReserveBody>, description = "Optional; quantity defaults to 1"),
+    responses(
+        (status = 202, description = "Stock is held and the order is being created: it will be an order", body = Reserved),
+        (status = 401, description = "unauthorized: no valid user token", body = crate::http::openapi::ErrorBody),
+        (status = 403, description = "not_started or ended: outside the activity's window", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found: no sale for this SKU", body = crate::http::openapi::ErrorBody),
+        (status = 409, description = "already_reserved (with reservation_id) or sold_out", body = crate::http::openapi::ErrorBody),
+        (status = 413, description = "payload_too_large", body = crate::http::openapi::ErrorBody),
+        (status = 422, description = "invalid_request: a bad body or quantity", body = crate::http::openapi::ErrorBody),
+        (status = 429, description = "rate_limited, with Retry-After", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "paused or unavailable, with Retry-After: nothing is held", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `POST /flash/{sku}/reserve`: the hot path.
 pub async fn reserve(
     State(state): State<AppState>,
@@ -342,7 +374,7 @@ fn writer(state: &AppState) -> OrderWriter {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ReservationView {
     reservation_id: String,
     status: &'static str,
@@ -352,6 +384,20 @@ pub struct ReservationView {
     expires_at: Option<DateTime<Utc>>,
 }
 
+#[utoipa::path(
+    get,
+    path = "/flash/{sku}/reservation",
+    tag = "users",
+    security(("user" = [])),
+    params(("sku" = String, Path, description = "The SKU on sale")),
+    responses(
+        (status = 200, description = "The user's reservation: pending, ordered, paid, cancelled or failed", body = ReservationView),
+        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found: no such sale, or the user holds no reservation", body = crate::http::openapi::ErrorBody),
+        (status = 429, description = "rate_limited", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `GET /flash/{sku}/reservation`: MySQL's order when there is one, else Redis's
 /// pending reservation.
 pub async fn reservation(

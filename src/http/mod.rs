@@ -9,6 +9,7 @@ mod body;
 mod client_ip;
 mod flash;
 pub mod middleware;
+mod openapi;
 mod ops;
 mod orders;
 
@@ -29,8 +30,10 @@ use crate::config::ServerSettings;
 use crate::error::AppError;
 use crate::state::AppState;
 
+pub use body::whole_i64;
 pub use client_ip::{ClientIp, TrustedProxies};
 pub use middleware::RateLimiters;
+pub use openapi::ApiDoc;
 pub use ops::healthz;
 
 pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
@@ -76,6 +79,8 @@ pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
         // saturated instance can still be probed and scraped.
         .route("/healthz", get(ops::healthz))
         .route("/admin/ui", get(admin::ui))
+        .route("/openapi.json", get(openapi::openapi_json))
+        .route("/docs", get(openapi::docs))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics));
     observe(protect(app, settings).merge(ops), settings).with_state(state)

@@ -14,6 +14,12 @@ use crate::state::AppState;
 
 const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "operations",
+    responses((status = 200, description = "The process runs", body = Object))
+)]
 pub async fn healthz() -> Json<serde_json::Value> {
     Json(json!({ "status": "ok" }))
 }
@@ -32,9 +38,28 @@ where
 
 #[derive(Debug, serde::Deserialize)]
 pub struct ReadyQuery {
-    role: Option<String>,
+    role: Option<Role>,
 }
 
+/// What `/readyz?role=` asks readiness for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Taking reservations: Redis and Kafka (MySQL reported, not required).
+    Api,
+}
+
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "operations",
+    params(("role" = Option<Role>, Query, description = "`api`: what taking reservations needs (Redis and Kafka); MySQL is then reported, not required")),
+    responses(
+        (status = 200, description = "Ready; `checks` names each dependency's state", body = Object),
+        (status = 422, description = "invalid_request: an unknown role", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable: something is down, or the process is draining", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// `200` when Redis, MySQL and the broker all answer; otherwise `503` naming what
 /// is down (the reason text stays in the log). `?role=api` asks for what taking
 /// reservations needs: Redis and the broker; MySQL is reported, not required
@@ -45,14 +70,11 @@ pub async fn readyz(
     query: Result<Query<ReadyQuery>, QueryRejection>,
 ) -> Response {
     let Ok(Query(query)) = query else {
-        return AppError::invalid("the query string does not parse").into_response();
+        return AppError::invalid("role must be \"api\" or absent").into_response();
     };
-    let optional: &[&str] = match query.role.as_deref() {
+    let optional: &[&str] = match query.role {
         None => &[],
-        Some("api") => &["mysql"],
-        Some(_) => {
-            return AppError::invalid("role must be \"api\" or absent").into_response();
-        }
+        Some(Role::Api) => &["mysql"],
     };
     if state.draining.is_cancelled() {
         return not_ready("draining: the process is stopping".into(), json!({}));
@@ -113,6 +135,12 @@ fn not_ready(message: String, checks: serde_json::Value) -> Response {
     response
 }
 
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    responses((status = 200, description = "Prometheus text format", content_type = "text/plain"))
+)]
 /// `/metrics`: the process's figures and, read at each scrape, each current
 /// activity's live figures from Redis (bounded: a Redis that does not answer
 /// within the check timeout leaves them as last seen and sets `redis_up` to 0).

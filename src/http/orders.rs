@@ -10,7 +10,7 @@ use crate::error::{AppError, AppResult};
 use crate::orders::{Order, PayOutcome};
 use crate::state::AppState;
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct OrderView {
     order_id: String,
     reservation_id: String,
@@ -39,6 +39,21 @@ impl From<Order> for OrderView {
     }
 }
 
+#[utoipa::path(
+    post,
+    path = "/orders/{order_id}/pay",
+    tag = "users",
+    security(("user" = [])),
+    params(("order_id" = String, Path, description = "The order's id")),
+    responses(
+        (status = 200, description = "The paid order (paying twice is 200 again)", body = OrderView),
+        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found: no such order of this user", body = crate::http::openapi::ErrorBody),
+        (status = 409, description = "expired: cancelled for non-payment", body = crate::http::openapi::ErrorBody),
+        (status = 429, description = "rate_limited", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+    )
+)]
 /// Pays the caller's order. Anyone else's order is 404 (its existence is not
 /// revealed); paying twice answers 200 again; a lapsed order is `409 expired`.
 pub async fn pay(

@@ -51,7 +51,7 @@ const HONOUR_TIMEOUT: Duration = Duration::from_secs(10);
 const TRANSFER_GRACE_MS: i64 = 2_000;
 
 /// What one pass found and did, for the operator.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, utoipa::ToSchema)]
 pub struct Report {
     pub activity_id: String,
     pub checked_at: chrono::DateTime<Utc>,
@@ -100,7 +100,7 @@ pub enum Rebuild {
     Waiting(String),
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, utoipa::ToSchema)]
 pub struct MysqlFigures {
     pub stock: i64,
     pub available: i64,

@@ -59,7 +59,7 @@ pub enum PreloadMode {
 }
 
 /// What `audit.lua` found, summed over the activity's shards.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct Audit {
     pub loaded: bool,
     pub stock: i64,
@@ -71,6 +71,7 @@ pub struct Audit {
     pub in_transit: i64,
     /// Each shard's figures, as read (one entry when the activity is not split).
     #[serde(skip)]
+    #[schema(ignore)]
     pub parts: Vec<ShardAudit>,
 }
 

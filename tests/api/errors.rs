@@ -342,3 +342,65 @@ async fn unknown_routes_and_methods_answer_json() {
     assert_error(resp, StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed").await;
     app.stop().await;
 }
+
+/// Found by the fuzzer: JSON Schema counts `5.0` as a whole number and a `null`
+/// body as no body; the service now agrees.
+#[tokio::test]
+async fn whole_numbers_written_with_a_fraction_and_null_bodies_are_accepted() {
+    let app = spawn_app().await;
+    let now = Utc::now();
+    let resp = app
+        .create_activity(json!({
+            "sku": unique("sku-"), "stock": 5.0, "per_user_limit": 2.0,
+            "starts_at": now - chrono::Duration::seconds(5),
+            "ends_at": now + chrono::Duration::hours(1),
+            "payment_timeout_secs": 900.0, "stock_shards": 1.0,
+        }))
+        .await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let created: serde_json::Value = resp.json().await.expect("JSON");
+    assert_eq!(created["stock"], 5);
+    let id = created["id"].as_str().expect("id").to_owned();
+    let sku = created["sku"].as_str().expect("sku").to_owned();
+    let resp = app
+        .admin_post(&format!("/admin/activities/{id}/preload"), None)
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let resp = app
+        .admin_post(
+            &format!("/admin/activities/{id}/stock"),
+            Some(json!({"add": 3.0})),
+        )
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let resp = app
+        .client
+        .post(app.url(&format!("/flash/{sku}/reserve")))
+        .bearer_auth(app.token("null-body"))
+        .header("content-type", "application/json")
+        .body("null")
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(resp.status(), StatusCode::ACCEPTED, "null is no body");
+    let resp = app
+        .reserve(&sku, "two-point-oh", Some(json!({"quantity": 2.0})))
+        .await;
+    assert_eq!(resp.status(), StatusCode::ACCEPTED);
+    for bad in [json!({"quantity": 1.5}), json!({"quantity": 0.0})] {
+        let resp = app.reserve(&sku, "fractional", Some(bad)).await;
+        assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
+    }
+    assert_eq!(
+        app.state.stock.stock_left(&id, 1).await.expect("redis"),
+        Some(5)
+    );
+    // An unknown readiness role is refused in the error shape.
+    let resp = app
+        .client
+        .get(app.url("/readyz?role="))
+        .send()
+        .await
+        .expect("sent");
+    assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
+}

@@ -4,6 +4,7 @@
 mod admin;
 mod errors;
 mod helpers;
+mod openapi;
 mod ops;
 mod orders;
 mod rate_limit;

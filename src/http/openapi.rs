@@ -1,0 +1,111 @@
+//! The OpenAPI 3.1 document of the HTTP API, generated from the handlers'
+//! `#[utoipa::path]` attributes and the types' `ToSchema`, served at
+//! `/openapi.json` and rendered at `/docs` by a page the service serves itself.
+
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::Json;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+/// Every error answer: `{"code", "message"}`, and for `already_reserved` the
+/// existing `reservation_id`.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// A fixed snake_case code (API.md).
+    pub code: String,
+    /// Human text.
+    pub message: String,
+    /// `already_reserved` only: the reservation the user holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reservation_id: Option<String>,
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "flashsale",
+        description = "Flash-sale stock reservation: a 202 becomes an order; never oversold, one purchase per user within the limit.",
+    ),
+    paths(
+        super::flash::status,
+        super::flash::reserve,
+        super::flash::reservation,
+        super::orders::pay,
+        super::admin::create,
+        super::admin::list,
+        super::admin::get,
+        super::admin::preload,
+        super::admin::pause,
+        super::admin::resume,
+        super::admin::reconcile,
+        super::admin::top_up,
+        super::admin::ui,
+        super::ops::healthz,
+        super::ops::readyz,
+        super::ops::metrics,
+        openapi_json,
+        docs,
+    ),
+    components(schemas(ErrorBody, super::ops::Role)),
+    modifiers(&BearerTokens),
+    tags(
+        (name = "users", description = "Buyers, with a user JWT (HS256, `sub` = user id, `exp` required)"),
+        (name = "operators", description = "Operators, with the admin token"),
+        (name = "operations", description = "Probes, metrics, documents and pages: no token"),
+    )
+)]
+pub struct ApiDoc;
+
+/// The two bearer schemes: a user's JWT, and the admin token.
+struct BearerTokens;
+
+impl Modify for BearerTokens {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "user",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .bearer_format("JWT")
+                    .build(),
+            ),
+        );
+        components.add_security_scheme(
+            "admin",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// `GET /openapi.json`
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    tag = "operations",
+    responses((status = 200, description = "This document (OpenAPI 3.1)", body = Object))
+)]
+pub async fn openapi_json() -> impl IntoResponse {
+    Json(ApiDoc::openapi())
+}
+
+/// `GET /docs`: the document rendered by the service's own page.
+#[utoipa::path(
+    get,
+    path = "/docs",
+    tag = "operations",
+    responses((status = 200, description = "The API reference (HTML)", content_type = "text/html"))
+)]
+pub async fn docs() -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'",
+            ),
+        ],
+        include_str!("docs.html"),
+    )
+}
