@@ -178,6 +178,7 @@ impl Application {
         ));
         background.spawn(prune_rate_limiters(limiters.clone(), shutdown.clone()));
         background.spawn(metrics_upkeep(state.clone(), shutdown.clone()));
+        background.spawn(state.stock.clone().run_sold_out_gate(shutdown.clone()));
         spawn_workers(&state, &background, &shutdown)?;
 
         let app = http::router(state.clone(), &limiters);

@@ -93,6 +93,7 @@ const METRICS: &[(Kind, &str, &str)] = &[
     (Kind::Counter, "flashsale_reconcile_withdrawn_reservations_total", "Unacknowledged reservations past the deadline the reconciler withdrew."),
     (Kind::Counter, "flashsale_activity_rebuilt_total", "Activities rebuilt in Redis from MySQL after a loss."),
     (Kind::Counter, "flashsale_activity_auto_paused_total", "Activities paused by the service itself because Redis lost them."),
+    (Kind::Counter, "flashsale_sold_out_gate_answers_total", "Reservations answered sold_out from this instance's memory, without a Redis call."),
     (Kind::Counter, "flashsale_stock_shard_transfers_total", "Units lent between an activity's stock shards (a dry home shard borrowing)."),
     (Kind::Counter, "flashsale_stock_shard_transfers_finished_total", "Transfers between stock shards the reconciler finished for a borrower that died."),
     (Kind::Gauge, "flashsale_activity_units_left", "Units Redis may still hand out, per current activity (summed over its shards)."),

@@ -1,7 +1,7 @@
 -- Compare an activity's Redis stock with what MySQL implies, and optionally repair it.
 --
 -- KEYS[1] stock, KEYS[2] pending, KEYS[3] res, KEYS[4] refunded, KEYS[5] lent,
--- KEYS[6] received
+-- KEYS[6] received, KEYS[7] restock (bumped when a repair raises the stock)
 -- ARGV[1] the activity's total stock
 -- ARGV[2] units held by live orders in MySQL (pending_payment + paid)
 -- ARGV[3] mode: "read", or "repair" to set the stock to the expected value, only
@@ -48,6 +48,9 @@ local repaired = 0
 if ARGV[3] == "repair" and stock ~= expected
    and stock == tonumber(ARGV[4]) and pending == tonumber(ARGV[5]) and expected >= 0 then
   redis.call("SET", KEYS[1], expected)
+  if expected > stock then
+    redis.call("INCR", KEYS[7])
+  end
   repaired = 1
 end
 return {1, stock, pending, owed, expected, repaired, lent, received}

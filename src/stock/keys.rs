@@ -33,6 +33,8 @@ pub struct Keys {
     pub lent: String,
     /// Units this shard received from siblings: transfer id → units.
     pub received: String,
+    /// Bumped whenever units are added to `stock` (see `reserve.lua`).
+    pub restock: String,
 }
 
 impl Keys {
@@ -77,6 +79,7 @@ impl Keys {
             barrier: format!("{base}:barrier"),
             lent: format!("{base}:lent"),
             received: format!("{base}:received"),
+            restock: format!("{base}:restock"),
         }
     }
 }

@@ -43,9 +43,10 @@ pub enum ReserveOutcome {
 /// What `reserve.lua` answered on one shard.
 enum ShardReserve {
     Done(ReserveOutcome),
-    /// Fewer units left on this shard than asked for.
+    /// Fewer units left on this shard than asked for; its restock count then.
     Dry {
         left: i64,
+        restock: i64,
     },
 }
 
@@ -250,29 +251,86 @@ struct ReplicaBarrier {
 /// is seen by that sibling's own users at once and by everyone else within this.
 pub const DRY_SIBLING_TTL: Duration = Duration::from_millis(50);
 
-/// Sibling shards that had nothing to lend, and when this instance saw it.
+/// Sibling shards that had nothing to lend: when this instance saw it, and their
+/// restock count then.
 #[derive(Default)]
 struct DrySiblings {
-    seen: Mutex<HashMap<String, Instant>>,
+    seen: Mutex<HashMap<String, (Instant, i64)>>,
 }
 
 impl DrySiblings {
-    fn recently(&self, stock_key: &str) -> bool {
+    /// The restock count of a sibling found empty within the TTL.
+    fn recently(&self, stock_key: &str) -> Option<i64> {
         let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         seen.get(stock_key)
-            .is_some_and(|at| at.elapsed() < DRY_SIBLING_TTL)
+            .filter(|(at, _)| at.elapsed() < DRY_SIBLING_TTL)
+            .map(|(_, restock)| *restock)
     }
 
-    fn mark(&self, stock_key: &str, dry: bool) {
+    fn mark(&self, stock_key: &str, dry: Option<i64>) {
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        if dry {
-            if seen.len() > 10_000 {
-                seen.retain(|_, at| at.elapsed() < DRY_SIBLING_TTL);
+        match dry {
+            Some(restock) => {
+                if seen.len() > 10_000 {
+                    seen.retain(|_, (at, _)| at.elapsed() < DRY_SIBLING_TTL);
+                }
+                seen.insert(stock_key.to_owned(), (Instant::now(), restock));
             }
-            seen.insert(stock_key.to_owned(), Instant::now());
-        } else {
-            seen.remove(stock_key);
+            None => {
+                seen.remove(stock_key);
+            }
         }
+    }
+}
+
+/// How often an instance looks at the restock counts of the sales it keeps shut:
+/// the bound on how long units that come back wait for buyers on that instance.
+pub const SOLD_OUT_RECHECK: Duration = Duration::from_millis(50);
+
+/// The sold-out gate: activities this instance found sold out, answered
+/// `sold_out` from memory without a Redis call. Each is held with the restock
+/// count of every shard as it was when found empty (read in the same atomic
+/// step) and the ids of its buyers (they cannot change until a count moves, so
+/// a buyer asking again still gets `already_reserved` from Redis). Every script
+/// that adds units bumps its shard's count (`reserve.lua`), and
+/// `run_sold_out_gate` reopens a sale within `SOLD_OUT_RECHECK` of any bump, or
+/// at once when a count cannot be read.
+#[derive(Default)]
+struct SoldOutGate {
+    shut: Mutex<HashMap<String, Shut>>,
+}
+
+struct Shut {
+    restock: Vec<(String, i64)>,
+    buyers: std::collections::HashSet<String>,
+}
+
+/// Most buyers a shut sale keeps in memory; a larger sale is not gated.
+const GATE_MAX_BUYERS: usize = 1_000_000;
+
+impl SoldOutGate {
+    /// Whether `user_id` is to be told `sold_out` from memory.
+    fn refuses(&self, activity_id: &str, user_id: &str) -> bool {
+        let shut = self.shut.lock().unwrap_or_else(|e| e.into_inner());
+        shut.get(activity_id)
+            .is_some_and(|s| !s.buyers.contains(user_id))
+    }
+
+    fn shut(&self, activity_id: &str, shut_now: Shut) {
+        let mut shut = self.shut.lock().unwrap_or_else(|e| e.into_inner());
+        shut.insert(activity_id.to_owned(), shut_now);
+    }
+
+    fn open(&self, activity_id: &str) {
+        let mut shut = self.shut.lock().unwrap_or_else(|e| e.into_inner());
+        shut.remove(activity_id);
+    }
+
+    fn snapshot(&self) -> Vec<(String, Vec<(String, i64)>)> {
+        let shut = self.shut.lock().unwrap_or_else(|e| e.into_inner());
+        shut.iter()
+            .map(|(k, v)| (k.clone(), v.restock.clone()))
+            .collect()
     }
 }
 
@@ -280,6 +338,7 @@ impl DrySiblings {
 pub struct StockStore {
     conn: RedisConn,
     dry: Arc<DrySiblings>,
+    gate: Arc<SoldOutGate>,
     barrier: Option<ReplicaBarrier>,
     reserve: Lua,
     refund: Lua,
@@ -297,6 +356,7 @@ impl StockStore {
         StockStore {
             conn,
             dry: Arc::default(),
+            gate: Arc::default(),
             barrier: None,
             reserve: Lua::new(include_str!("reserve.lua")),
             refund: Lua::new(include_str!("refund.lua")),
@@ -382,42 +442,115 @@ impl StockStore {
         reservation_id: &str,
         now_ms: i64,
     ) -> RedisResult<ReserveOutcome> {
+        if self.gate.refuses(activity_id, user_id) {
+            metrics::counter!("flashsale_sold_out_gate_answers_total").increment(1);
+            return Ok(ReserveOutcome::SoldOut);
+        }
         let home = Keys::of_reservation(activity_id, reservation_id);
         let (_, shards) = shard_of(reservation_id);
         let reserve = |transfer: Option<(String, i64, String)>| {
             self.reserve_on(&home, user_id, quantity, reservation_id, now_ms, transfer)
         };
+        // Each shard's restock count as it was when found without the units.
+        let mut empty = Vec::with_capacity(usize::from(shards));
         let mut left = match reserve(None).await? {
             ShardReserve::Done(outcome) => return Ok(outcome),
-            ShardReserve::Dry { left } => left,
+            ShardReserve::Dry { left, restock } => {
+                empty.push((home.restock.clone(), restock));
+                left
+            }
         };
         for step in 1..shards {
             let lender = Keys::shard(activity_id, shards, (home.shard + step) % shards);
-            if self.dry.recently(&lender.stock) {
+            if let Some(restock) = self.dry.recently(&lender.stock) {
+                empty.push((lender.restock.clone(), restock));
                 continue;
             }
             let transfer = format!("{reservation_id}>{}", lender.shard);
             let need = i64::from(quantity) - left;
-            let (lent, epoch): (i64, String) = self
+            let (lent, epoch, restock): (i64, String, i64) = self
                 .run(
                     &self.lend,
-                    &[&lender.stock, &lender.lent, &lender.epoch],
+                    &[&lender.stock, &lender.lent, &lender.epoch, &lender.restock],
                     &[arg(&transfer), arg(need), arg(home.shard), arg(now_ms)],
                 )
                 .await?;
-            self.dry.mark(&lender.stock, lent == 0);
+            self.dry.mark(&lender.stock, (lent == 0).then_some(restock));
             match lent {
                 -3 => return Ok(ReserveOutcome::NotLoaded),
-                0 => continue,
+                0 => {
+                    empty.push((lender.restock.clone(), restock));
+                    continue;
+                }
                 _ => {}
             }
             metrics::counter!("flashsale_stock_shard_transfers_total").increment(1);
             left = match reserve(Some((transfer, lent, epoch))).await? {
                 ShardReserve::Done(outcome) => return Ok(outcome),
-                ShardReserve::Dry { left } => left,
+                ShardReserve::Dry { left, restock } => {
+                    empty.retain(|(k, _)| *k != home.restock);
+                    empty.push((home.restock.clone(), restock));
+                    left
+                }
             };
         }
+        // Sold out for a single unit, every shard seen empty with its count (a
+        // lender that just lent its last units left none): no request could be
+        // served, so the sale is shut here until a count moves.
+        if quantity == 1 && empty.len() == usize::from(shards) {
+            self.shut_gate(activity_id, shards, empty).await?;
+        }
         Ok(ReserveOutcome::SoldOut)
+    }
+
+    async fn shut_gate(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        restock: Vec<(String, i64)>,
+    ) -> RedisResult<()> {
+        let mut buyers = std::collections::HashSet::new();
+        for k in Keys::all(activity_id, shards) {
+            let mut conn = self.conn.clone();
+            if conn.hlen::<_, usize>(&k.buyers).await? + buyers.len() > GATE_MAX_BUYERS {
+                return Ok(());
+            }
+            let ids: Vec<String> = conn.hkeys(&k.buyers).await?;
+            buyers.extend(ids);
+        }
+        self.gate.shut(activity_id, Shut { restock, buyers });
+        Ok(())
+    }
+
+    /// Reopens the sales this instance keeps shut once any of their shards'
+    /// restock counts moved (or cannot be read), every `SOLD_OUT_RECHECK`,
+    /// until `shutdown`.
+    pub async fn run_sold_out_gate(self, shutdown: tokio_util::sync::CancellationToken) {
+        let mut tick = tokio::time::interval(SOLD_OUT_RECHECK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            for (activity_id, seen) in self.gate.snapshot() {
+                if !self.restock_unchanged(&seen).await {
+                    self.gate.open(&activity_id);
+                }
+            }
+        }
+    }
+
+    async fn restock_unchanged(&self, seen: &[(String, i64)]) -> bool {
+        for (key, count) in seen {
+            let mut conn = self.conn.clone();
+            let now: RedisResult<Option<i64>> = conn.get(key).await;
+            match now {
+                Ok(now) if now.unwrap_or(0) == *count => {}
+                _ => return false,
+            }
+        }
+        true
     }
 
     async fn reserve_on(
@@ -438,7 +571,7 @@ impl StockStore {
         if let Some((id, units, epoch)) = transfer {
             args.extend([arg(id), arg(units), arg(epoch)]);
         }
-        let (code, value): (i64, String) = self
+        let (code, value, restock): (i64, String, i64) = self
             .run(
                 &self.reserve,
                 &[
@@ -449,6 +582,7 @@ impl StockStore {
                     &k.state,
                     &k.received,
                     &k.epoch,
+                    &k.restock,
                 ],
                 &args,
             )
@@ -463,6 +597,7 @@ impl StockStore {
             -1 => {
                 return Ok(ShardReserve::Dry {
                     left: value.parse().unwrap_or(0),
+                    restock,
                 })
             }
             -4 => ReserveOutcome::Paused,
@@ -509,11 +644,17 @@ impl StockStore {
                 let n: i64 = self
                     .run(
                         &self.receive,
-                        &[&borrower.stock, &borrower.received, &borrower.epoch],
+                        &[
+                            &borrower.stock,
+                            &borrower.received,
+                            &borrower.epoch,
+                            &borrower.restock,
+                        ],
                         &[arg(&transfer), arg(units), arg(&epoch)],
                     )
                     .await?;
                 if n == 1 {
+                    self.gate.open(activity_id);
                     received += 1;
                     metrics::counter!("flashsale_stock_shard_transfers_finished_total")
                         .increment(1);
@@ -546,11 +687,18 @@ impl StockStore {
         let n: i64 = self
             .run(
                 &self.refund,
-                &[&k.stock, &k.buyers, &k.pending, &k.res, &k.refunded],
+                &[
+                    &k.stock,
+                    &k.buyers,
+                    &k.pending,
+                    &k.res,
+                    &k.refunded,
+                    &k.restock,
+                ],
                 &[arg(reservation_id), arg(user_id), arg(quantity), arg(mode)],
             )
             .await?;
-        Ok(match n {
+        let outcome = match n {
             0 => RefundOutcome::AlreadyRefunded,
             -1 => RefundOutcome::NothingToUndo,
             -2 => RefundOutcome::Acknowledged,
@@ -559,7 +707,13 @@ impl StockStore {
             units => RefundOutcome::Returned {
                 units: u32::try_from(units).unwrap_or(u32::MAX),
             },
-        })
+        };
+        if matches!(outcome, RefundOutcome::Returned { .. }) {
+            // Units came back through this instance: its gate opens at once
+            // (the others within `SOLD_OUT_RECHECK`).
+            self.gate.open(activity_id);
+        }
+        Ok(outcome)
     }
 
     /// Adds a top-up's units to the activity's first shard, once: `key` joins the
@@ -577,10 +731,18 @@ impl StockStore {
         let n: i64 = self
             .run(
                 &self.refund,
-                &[&k.stock, &k.buyers, &k.pending, &k.res, &k.refunded],
+                &[
+                    &k.stock,
+                    &k.buyers,
+                    &k.pending,
+                    &k.res,
+                    &k.refunded,
+                    &k.restock,
+                ],
                 &[arg(key), arg(""), arg(units), arg("return")],
             )
             .await?;
+        self.gate.open(activity_id);
         Ok(match n {
             0 => RefundOutcome::AlreadyRefunded,
             -3 => RefundOutcome::NotLoaded,
@@ -765,12 +927,14 @@ impl StockStore {
                         &k.epoch,
                         &k.lent,
                         &k.received,
+                        &k.restock,
                     ],
                     &args,
                 )
                 .await?;
             all_built &= built == 1;
         }
+        self.gate.open(activity_id);
         Ok(all_built)
     }
 
@@ -800,6 +964,7 @@ impl StockStore {
                     &k.refunded,
                     &k.lent,
                     &k.received,
+                    &k.restock,
                 ],
                 &args,
             )
@@ -897,6 +1062,9 @@ impl StockStore {
             .audit_shard(&k, total - live_units - others, &owed, Some(part))
             .await?;
         done.repaired = after.loaded;
+        if done.repaired {
+            self.gate.open(activity_id);
+        }
         Ok(done)
     }
 

@@ -1,7 +1,8 @@
 -- (Re)build an activity's Redis state from MySQL, as one atomic step.
 --
 -- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded,
--- KEYS[6] state, KEYS[7] epoch, KEYS[8] lent, KEYS[9] received
+-- KEYS[6] state, KEYS[7] epoch, KEYS[8] lent, KEYS[9] received, KEYS[10] restock
+-- (bumped, never reset: the stock was set anew; see reserve.lua)
 -- (A split activity runs it once per shard, each with its share of the units and
 -- of the buyers.)
 -- ARGV[1] units still available in MySQL
@@ -37,4 +38,5 @@ end
 redis.call("SET", KEYS[1], ARGV[1])
 redis.call("SET", KEYS[6], ARGV[2])
 redis.call("SET", KEYS[7], ARGV[4])
+redis.call("INCR", KEYS[10])
 return 1

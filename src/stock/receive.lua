@@ -1,6 +1,7 @@
 -- Receive units lent by a sibling shard, once (split activities).
 --
--- KEYS[1] stock, KEYS[2] received (hash transfer id -> units), KEYS[3] epoch
+-- KEYS[1] stock, KEYS[2] received (hash transfer id -> units), KEYS[3] epoch,
+-- KEYS[4] restock (bumped: units arrived; see reserve.lua)
 -- ARGV[1] transfer id, ARGV[2] units, ARGV[3] the lender's epoch
 --
 -- Returns 1 received now, 0 received before, -2 lent from another build (a
@@ -15,4 +16,5 @@ if redis.call("HSETNX", KEYS[2], ARGV[1], ARGV[2]) == 0 then
   return 0
 end
 redis.call("INCRBY", KEYS[1], ARGV[2])
+redis.call("INCR", KEYS[4])
 return 1

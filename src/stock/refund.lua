@@ -1,6 +1,7 @@
 -- Return a reservation's units to stock, exactly once.
 --
--- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded (set)
+-- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded (set),
+-- KEYS[6] restock (bumped: units came back; see reserve.lua)
 -- ARGV[1] reservation id, ARGV[2] user id, ARGV[3] quantity
 -- ARGV[4] mode:
 --   "undo"    the reservation was withdrawn before it reached anyone (its publish
@@ -42,6 +43,7 @@ if ARGV[4] == "undo" then
 end
 local q = tonumber(ARGV[3])
 redis.call("INCRBY", KEYS[1], q)
+redis.call("INCR", KEYS[6])
 redis.call("SADD", KEYS[5], ARGV[1])
 redis.call("ZREM", KEYS[3], ARGV[1])
 redis.call("HDEL", KEYS[4], ARGV[1])

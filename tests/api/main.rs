@@ -3,6 +3,7 @@
 
 mod admin;
 mod errors;
+mod gate;
 mod helpers;
 mod openapi;
 mod ops;
