@@ -315,16 +315,7 @@ async fn serve_consumer_ops(
             "/metrics",
             axum::routing::get(move || {
                 let handle = handle.clone();
-                async move {
-                    telemetry::record_process_metrics();
-                    (
-                        [(
-                            axum::http::header::CONTENT_TYPE,
-                            "text/plain; version=0.0.4",
-                        )],
-                        handle.render(),
-                    )
-                }
+                async move { telemetry::prometheus_text(&handle) }
             }),
         );
     Ok(tokio::spawn(async move {

@@ -58,6 +58,21 @@ pub fn metrics_handle() -> anyhow::Result<PrometheusHandle> {
     Ok(handle)
 }
 
+/// A scrape: this process's figures read now, then every metric in the
+/// Prometheus text format (`/metrics` of `serve` and of `consume`).
+pub fn prometheus_text(
+    handle: &PrometheusHandle,
+) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+    record_process_metrics();
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        handle.render(),
+    )
+}
+
 /// HELP text of every metric the service records (`# HELP` in `/metrics`).
 const METRICS: &[(Kind, &str, &str)] = &[
     (Kind::Gauge, "flashsale_build_info", "Always 1; the version label names the running build."),
@@ -134,7 +149,7 @@ fn describe_metrics() {
 /// Reads this process's CPU time, memory, open files and start time from
 /// `/proc` (Linux) into the `flashsale_process_*` metrics; elsewhere it does
 /// nothing. Called before each scrape is rendered.
-pub fn record_process_metrics() {
+fn record_process_metrics() {
     let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
         return;
     };

@@ -194,17 +194,9 @@ pub async fn redis_evalsha(
         .args(["-n", &requests.to_string()])
         .args(["-r", "1000000000", "--csv"])
         // The reserve script's KEYS and ARGV, in the order StockStore::reserve sends them.
-        .args(["EVALSHA", &sha, "8"])
-        .args([
-            &k.stock,
-            &k.buyers,
-            &k.pending,
-            &k.res,
-            &k.state,
-            &k.received,
-            &k.epoch,
-            &k.restock,
-        ])
+        .args(["EVALSHA", &sha])
+        .arg(k.reserve_script_keys().len().to_string())
+        .args(k.reserve_script_keys())
         .args(["u__rand_int__", "1", "r__rand_int__", "1700000000000"])
         .output()
         .await

@@ -280,22 +280,14 @@ async fn describe(state: &AppState, activity: &Activity) -> AppResult<Value> {
         .into_iter()
         .collect();
     let now_ms = Utc::now().timestamp_millis();
-    let redis = async {
-        let s = state.stock.snapshot(id, activity.stock_shards).await?;
-        let oldest = state
-            .stock
-            .oldest_pending_ms(id, activity.stock_shards)
-            .await?;
-        Ok::<_, redis::RedisError>((s, oldest))
-    };
-    let mut live = match redis.await {
-        Ok((s, oldest)) => json!({
+    let mut live = match state.stock.snapshot(id, activity.stock_shards).await {
+        Ok(s) => json!({
             "loaded": s.loaded(),
             "redis_stock": s.stock,
             "redis_stock_by_shard": s.shard_stock,
             "redis_state": s.state,
             "reservations_pending": s.pending,
-            "oldest_pending_age_ms": oldest.map(|ms| (now_ms - ms).max(0)),
+            "oldest_pending_age_ms": s.oldest_pending_ms.map(|ms| (now_ms - ms).max(0)),
             "buyers": s.buyers,
         }),
         Err(err) => {
@@ -340,16 +332,7 @@ async fn describe(state: &AppState, activity: &Activity) -> AppResult<Value> {
 /// `GET /admin/ui`: the operators' live-sale page. It holds no data: it asks for
 /// the admin token and then calls the admin API from the browser.
 pub async fn ui() -> impl axum::response::IntoResponse {
-    (
-        [
-            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
-            (
-                axum::http::header::CONTENT_SECURITY_POLICY,
-                "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'",
-            ),
-        ],
-        include_str!("ui.html"),
-    )
+    super::own_page(include_str!("ui.html"))
 }
 
 #[utoipa::path(

@@ -32,6 +32,21 @@ use crate::state::AppState;
 
 pub use body::whole_i64;
 pub use client_ip::{ClientIp, TrustedProxies};
+
+/// A page the service serves itself (one HTML file with its own script and
+/// style, nothing from elsewhere).
+fn own_page(html: &'static str) -> impl axum::response::IntoResponse {
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (
+                axum::http::header::CONTENT_SECURITY_POLICY,
+                "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'",
+            ),
+        ],
+        html,
+    )
+}
 pub use middleware::RateLimiters;
 pub use openapi::ApiDoc;
 pub use ops::healthz;

@@ -2,7 +2,6 @@
 //! `#[utoipa::path]` attributes and the types' `ToSchema`, served at
 //! `/openapi.json` and rendered at `/docs` by a page the service serves itself.
 
-use axum::http::header;
 use axum::response::IntoResponse;
 use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
@@ -98,14 +97,5 @@ pub async fn openapi_json() -> impl IntoResponse {
     responses((status = 200, description = "The API reference (HTML)", content_type = "text/html"))
 )]
 pub async fn docs() -> impl IntoResponse {
-    (
-        [
-            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
-            (
-                header::CONTENT_SECURITY_POLICY,
-                "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'",
-            ),
-        ],
-        include_str!("docs.html"),
-    )
+    super::own_page(include_str!("docs.html"))
 }

@@ -145,22 +145,17 @@ fn not_ready(message: String, checks: serde_json::Value) -> Response {
 /// activity's live figures from Redis (bounded: a Redis that does not answer
 /// within the check timeout leaves them as last seen and sets `redis_up` to 0).
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    crate::telemetry::record_process_metrics();
     let up = tokio::time::timeout(CHECK_TIMEOUT, record_activities(&state))
         .await
         .is_ok_and(|r| r.is_ok());
     metrics::gauge!("flashsale_redis_up").set(if up { 1.0 } else { 0.0 });
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(),
-    )
+    crate::telemetry::prometheus_text(&state.metrics)
 }
 
 async fn record_activities(state: &AppState) -> redis::RedisResult<()> {
     let now_ms = chrono::Utc::now().timestamp_millis();
     for a in state.cache.current_activities(chrono::Utc::now()) {
         let snap = state.stock.snapshot(&a.id, a.stock_shards).await?;
-        let oldest = state.stock.oldest_pending_ms(&a.id, a.stock_shards).await?;
         let id = a.id.clone();
         metrics::gauge!("flashsale_activity_units_left", "activity_id" => id.clone())
             .set(snap.stock.unwrap_or(0) as f64);
@@ -169,7 +164,10 @@ async fn record_activities(state: &AppState) -> redis::RedisResult<()> {
         metrics::gauge!("flashsale_activity_reservations_pending", "activity_id" => id.clone())
             .set(snap.pending as f64);
         metrics::gauge!("flashsale_activity_oldest_pending_age_seconds", "activity_id" => id.clone())
-            .set(oldest.map_or(0.0, |ms| (now_ms - ms).max(0) as f64 / 1000.0));
+            .set(
+                snap.oldest_pending_ms
+                    .map_or(0.0, |ms| (now_ms - ms).max(0) as f64 / 1000.0),
+            );
         metrics::gauge!("flashsale_activity_paused", "activity_id" => id).set(
             if snap.state.as_deref() == Some("paused") {
                 1.0

@@ -65,6 +65,20 @@ impl Keys {
         Self::shard(activity_id, shards, k)
     }
 
+    /// `reserve.lua`'s KEYS, in its order.
+    pub fn reserve_script_keys(&self) -> [&str; 8] {
+        [
+            &self.stock,
+            &self.buyers,
+            &self.pending,
+            &self.res,
+            &self.state,
+            &self.received,
+            &self.epoch,
+            &self.restock,
+        ]
+    }
+
     fn with_tag(tag: &str, shard: u8) -> Self {
         let base = format!("flash:{tag}");
         Keys {

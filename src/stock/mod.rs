@@ -163,6 +163,17 @@ pub enum RefundOutcome {
     NotLoaded,
 }
 
+/// One shard as `snapshot` reads it: stock, state, pending count, buyers count,
+/// epoch, and the oldest pending reservation with its time.
+type ShardFigures = (
+    Option<i64>,
+    Option<String>,
+    u64,
+    u64,
+    Option<u32>,
+    Vec<(String, f64)>,
+);
+
 /// A read-only view of an activity's Redis state, summed over its shards.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StockSnapshot {
@@ -177,6 +188,8 @@ pub struct StockSnapshot {
     pub epoch: Option<u32>,
     /// Each shard's units left (`None`: not loaded), shard 0 first.
     pub shard_stock: Vec<Option<i64>>,
+    /// When the oldest reservation still pending was made (ms), over every shard.
+    pub oldest_pending_ms: Option<i64>,
 }
 
 impl StockSnapshot {
@@ -572,20 +585,7 @@ impl StockStore {
             args.extend([arg(id), arg(units), arg(epoch)]);
         }
         let (code, value, restock): (i64, String, i64) = self
-            .run(
-                &self.reserve,
-                &[
-                    &k.stock,
-                    &k.buyers,
-                    &k.pending,
-                    &k.res,
-                    &k.state,
-                    &k.received,
-                    &k.epoch,
-                    &k.restock,
-                ],
-                &args,
-            )
+            .run(&self.reserve, &k.reserve_script_keys(), &args)
             .await?;
         Ok(ShardReserve::Done(match code {
             1 => ReserveOutcome::Reserved {
@@ -679,6 +679,37 @@ impl StockStore {
         mode: RefundMode,
     ) -> RedisResult<RefundOutcome> {
         let k = Keys::of_reservation(activity_id, reservation_id);
+        self.refund_on(&k, activity_id, reservation_id, user_id, quantity, mode)
+            .await
+    }
+
+    /// Adds a top-up's units to the activity's first shard, once: `key` joins the
+    /// returned units (as a refund would), so a second call, or one after a rebuild
+    /// that counted it, adds nothing. `NotLoaded`: the next build reads MySQL, which
+    /// has the units already.
+    pub async fn top_up(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        key: &str,
+        units: u32,
+    ) -> RedisResult<RefundOutcome> {
+        let k = Keys::shard(activity_id, shards, 0);
+        self.refund_on(&k, activity_id, key, "", units, RefundMode::Return)
+            .await
+    }
+
+    /// `refund.lua` on one shard. Units that came back through this instance open
+    /// its sold-out gate at once (the other instances' within `SOLD_OUT_RECHECK`).
+    async fn refund_on(
+        &self,
+        k: &Keys,
+        activity_id: &str,
+        id: &str,
+        user_id: &str,
+        quantity: u32,
+        mode: RefundMode,
+    ) -> RedisResult<RefundOutcome> {
         let mode = match mode {
             RefundMode::Undo => "undo",
             RefundMode::Return => "return",
@@ -695,7 +726,7 @@ impl StockStore {
                     &k.refunded,
                     &k.restock,
                 ],
-                &[arg(reservation_id), arg(user_id), arg(quantity), arg(mode)],
+                &[arg(id), arg(user_id), arg(quantity), arg(mode)],
             )
             .await?;
         let outcome = match n {
@@ -709,47 +740,9 @@ impl StockStore {
             },
         };
         if matches!(outcome, RefundOutcome::Returned { .. }) {
-            // Units came back through this instance: its gate opens at once
-            // (the others within `SOLD_OUT_RECHECK`).
             self.gate.open(activity_id);
         }
         Ok(outcome)
-    }
-
-    /// Adds a top-up's units to the activity's first shard, once: `key` joins the
-    /// returned units (as a refund would), so a second call, or one after a rebuild
-    /// that counted it, adds nothing. `NotLoaded`: the next build reads MySQL, which
-    /// has the units already.
-    pub async fn top_up(
-        &self,
-        activity_id: &str,
-        shards: u8,
-        key: &str,
-        units: u32,
-    ) -> RedisResult<RefundOutcome> {
-        let k = Keys::shard(activity_id, shards, 0);
-        let n: i64 = self
-            .run(
-                &self.refund,
-                &[
-                    &k.stock,
-                    &k.buyers,
-                    &k.pending,
-                    &k.res,
-                    &k.refunded,
-                    &k.restock,
-                ],
-                &[arg(key), arg(""), arg(units), arg("return")],
-            )
-            .await?;
-        self.gate.open(activity_id);
-        Ok(match n {
-            0 => RefundOutcome::AlreadyRefunded,
-            -3 => RefundOutcome::NotLoaded,
-            units => RefundOutcome::Returned {
-                units: u32::try_from(units).unwrap_or(u32::MAX),
-            },
-        })
     }
 
     /// Clears the pending marks of orders MySQL now holds (reservation id, user id,
@@ -1152,24 +1145,24 @@ impl StockStore {
             buyers: 0,
             epoch: None,
             shard_stock: Vec::new(),
+            oldest_pending_ms: None,
         };
         for (i, k) in Keys::all(activity_id, shards).into_iter().enumerate() {
             let mut conn = self.conn.clone();
             // One slot, so one pipeline works on Cluster too.
-            let (stock, state, pending, buyers, epoch): (
-                Option<i64>,
-                Option<String>,
-                u64,
-                u64,
-                Option<u32>,
-            ) = redis::pipe()
+            let (stock, state, pending, buyers, epoch, oldest): ShardFigures = redis::pipe()
                 .get(&k.stock)
                 .get(&k.state)
                 .zcard(&k.pending)
                 .hlen(&k.buyers)
                 .get(&k.epoch)
+                .zrange_withscores(&k.pending, 0, 0)
                 .query_async(&mut conn)
                 .await?;
+            if let Some((_, score)) = oldest.first() {
+                let ms = *score as i64;
+                snap.oldest_pending_ms = Some(snap.oldest_pending_ms.map_or(ms, |o| o.min(ms)));
+            }
             snap.stock = snap.stock.zip(stock).map(|(a, b)| a + b);
             snap.state = match (snap.state, state) {
                 (Some(a), Some(b)) if a == "paused" || b == "paused" => Some("paused".into()),
@@ -1186,24 +1179,6 @@ impl StockStore {
             snap.shard_stock.push(stock);
         }
         Ok(snap)
-    }
-
-    /// When the oldest reservation still pending was made (ms), over every shard.
-    pub async fn oldest_pending_ms(
-        &self,
-        activity_id: &str,
-        shards: u8,
-    ) -> RedisResult<Option<i64>> {
-        let mut oldest: Option<i64> = None;
-        for k in Keys::all(activity_id, shards) {
-            let mut conn = self.conn.clone();
-            let first: Vec<(String, f64)> = conn.zrange_withscores(&k.pending, 0, 0).await?;
-            if let Some((_, score)) = first.first() {
-                let ms = *score as i64;
-                oldest = Some(oldest.map_or(ms, |o| o.min(ms)));
-            }
-        }
-        Ok(oldest)
     }
 
     /// The reservation id this user holds in Redis, if any (on their home shard).
