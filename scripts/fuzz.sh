@@ -25,6 +25,8 @@ export FLASHSALE__KAFKA__TOPIC="flash.$id"
 export FLASHSALE__KAFKA__DEAD_LETTER_TOPIC="flash.$id.dlq"
 export FLASHSALE__KAFKA__GROUP_ID="flashsale-$id"
 export FLASHSALE__CONSUMER__METRICS_ADDR="127.0.0.1:0"
+admin="fuzz-admin-$id"
+export FLASHSALE__AUTH__ADMIN_TOKEN="$admin"
 # The fuzzer sends thousands of requests from one address and one user.
 export FLASHSALE__RATE_LIMIT__PER_IP_PER_SEC=0
 export FLASHSALE__RATE_LIMIT__PER_USER_PER_SEC=0
@@ -54,18 +56,6 @@ for _ in $(seq 1 300); do
 done
 curl -sf "http://127.0.0.1:$port/healthz" >/dev/null || { cat "$work/serve.log"; exit 1; }
 
-admin=$("$bin" openapi >/dev/null && python3 - <<'PY'
-import os, tomllib
-with open("config/default.toml", "rb") as f:
-    d = tomllib.load(f)
-try:
-    with open("config/test.toml", "rb") as f:
-        d["auth"] = {**d.get("auth", {}), **tomllib.load(f).get("auth", {})}
-except FileNotFoundError:
-    pass
-print(os.environ.get("FLASHSALE__AUTH__ADMIN_TOKEN", d["auth"]["admin_token"]))
-PY
-)
 user=$("$bin" token --user fuzzer)
 # A sale for the SKU-shaped paths to find.
 now=$(date -u +%Y-%m-%dT%H:%M:%SZ)

@@ -195,6 +195,16 @@ impl TestApp {
         req.send().await.expect("request sent")
     }
 
+    /// One reconciler pass over an activity (`POST …/reconcile`, which must
+    /// answer 200); its report.
+    pub async fn reconcile(&self, activity_id: &str) -> Value {
+        let resp = self
+            .admin_post(&format!("/admin/activities/{activity_id}/reconcile"), None)
+            .await;
+        assert_eq!(resp.status(), reqwest::StatusCode::OK);
+        resp.json().await.expect("a reconcile report")
+    }
+
     /// The test kit's invariant checker, pointed at this app's services.
     pub fn probe(&self, sale: &Sale) -> testkit::invariants::Probe {
         testkit::invariants::Probe {

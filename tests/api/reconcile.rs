@@ -18,14 +18,6 @@ fn workers(s: &mut flashsale::config::Settings) {
     s.reconcile.pending_deadline_secs = 2;
 }
 
-async fn reconcile(app: &TestApp, id: &str) -> Value {
-    let resp = app
-        .admin_post(&format!("/admin/activities/{id}/reconcile"), None)
-        .await;
-    assert_eq!(resp.status(), StatusCode::OK);
-    resp.json().await.expect("json")
-}
-
 async fn drained(app: &TestApp) {
     eventually(WAIT, "the consumers to drain", || async {
         let lag = flashsale::queue::consumer_lag(&app.settings.kafka)
@@ -73,7 +65,7 @@ async fn a_reservation_that_never_reached_the_queue_is_withdrawn_once() {
     drained(&app).await;
     assert_eq!(app.redis_stock(&sale).await, Some(3));
 
-    let report = reconcile(&app, &sale.id).await;
+    let report = app.reconcile(&sale.id).await;
     assert_eq!(report["expired_pending"], 1, "{report}");
     assert_eq!(report["withdrawn"], 1, "{report}");
     assert_eq!(report["honoured"], 0, "{report}");
@@ -83,7 +75,7 @@ async fn a_reservation_that_never_reached_the_queue_is_withdrawn_once() {
         Some(4),
         "the ghost's unit is back"
     );
-    let again = reconcile(&app, &sale.id).await;
+    let again = app.reconcile(&sale.id).await;
     assert_eq!(again["expired_pending"], 0, "{again}");
     assert_eq!(app.redis_stock(&sale).await, Some(4), "returned once");
 
@@ -137,7 +129,7 @@ async fn an_acknowledged_reservation_is_honoured_when_the_consumer_is_down() {
     let body: Value = resp.json().await.expect("json");
     let reservation_id = body["reservation_id"].as_str().expect("id").to_owned();
     let report = eventually(WAIT, "the reconciler to honour it", || async {
-        let r = reconcile(&app, &sale.id).await;
+        let r = app.reconcile(&sale.id).await;
         (r["honoured"] == 1).then_some(r)
     })
     .await;
@@ -186,7 +178,7 @@ async fn stock_drift_is_reported_and_repaired_when_safe() {
     })
     .await;
     drained(&app).await;
-    let report = reconcile(&app, &sale.id).await;
+    let report = app.reconcile(&sale.id).await;
     assert_eq!(report["drift"], 0, "{report}");
 
     let mut conn = app.state.stock.connection();
@@ -197,11 +189,11 @@ async fn stock_drift_is_reported_and_repaired_when_safe() {
         .query_async(&mut conn)
         .await
         .expect("set");
-    let report = reconcile(&app, &sale.id).await;
+    let report = app.reconcile(&sale.id).await;
     assert_eq!(report["drift"], 2, "{report}");
     assert_eq!(report["repaired"], true, "{report}");
     assert_eq!(app.redis_stock(&sale).await, Some(7), "10 units - 3 orders");
-    let report = reconcile(&app, &sale.id).await;
+    let report = app.reconcile(&sale.id).await;
     assert_eq!(report["drift"], 0, "{report}");
     assert_eq!(report["repaired"], false);
     app.stop().await;
@@ -316,7 +308,7 @@ async fn an_older_build_in_redis_is_detected_and_rebuilt() {
         .query_async(&mut conn)
         .await
         .expect("go back in time");
-    let report = reconcile(&app, &sale.id).await;
+    let report = app.reconcile(&sale.id).await;
     assert_eq!(report["stale"], true, "{report}");
     assert_eq!(report["rebuilt"], true, "{report}");
     assert_eq!(app.redis_stock(&sale).await, Some(4));
@@ -331,7 +323,7 @@ async fn an_older_build_in_redis_is_detected_and_rebuilt() {
     app.state.cache.refresh().await.expect("refresh");
     let resp = app.reserve(&sale.sku, "early", None).await;
     assert_error(resp, StatusCode::CONFLICT, "already_reserved").await;
-    let again = reconcile(&app, &sale.id).await;
+    let again = app.reconcile(&sale.id).await;
     assert_eq!(again["stale"], false, "{again}");
     app.stop().await;
 }

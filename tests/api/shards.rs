@@ -234,11 +234,7 @@ async fn the_reconciler_finishes_a_transfer_left_half_done() {
     assert_eq!(audit.stock - audit.expected, 0, "in transit is not drift");
 
     for expected in [1, 0] {
-        let resp = app
-            .admin_post(&format!("/admin/activities/{}/reconcile", sale.id), None)
-            .await;
-        assert_eq!(resp.status(), StatusCode::OK);
-        let report: Value = resp.json().await.expect("JSON");
+        let report = app.reconcile(&sale.id).await;
         assert_eq!(report["transfers_finished"], expected, "{report}");
         assert_eq!(report["drift"], 0, "{report}");
     }

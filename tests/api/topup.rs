@@ -69,10 +69,7 @@ async fn a_top_up_mid_sale_sells_exactly_the_new_stock() {
         let body: Value = resp.json().await.expect("JSON");
         assert_eq!(body["stock"], 150);
         for _ in 0..3 {
-            let resp = app
-                .admin_post(&format!("/admin/activities/{}/reconcile", sale.id), None)
-                .await;
-            assert_eq!(resp.status(), StatusCode::OK);
+            app.reconcile(&sale.id).await;
         }
         eventually(WAIT, "150 units sold", || async {
             (accepted.load(Ordering::Relaxed) >= 150 && app.redis_stock(&sale).await == Some(0))
@@ -149,13 +146,7 @@ async fn the_reconciler_finishes_a_top_up_and_a_rebuild_counts_it_once() {
         Some(5),
         "Redis has not got it"
     );
-    let reconcile = || async {
-        let resp = app
-            .admin_post(&format!("/admin/activities/{}/reconcile", sale.id), None)
-            .await;
-        assert_eq!(resp.status(), StatusCode::OK);
-        resp.json::<Value>().await.expect("JSON")
-    };
+    let reconcile = || app.reconcile(&sale.id);
     let report = reconcile().await;
     assert_eq!(report["topups_finished"], 1, "{report}");
     assert_eq!(report["drift"], 0, "{report}");
