@@ -27,6 +27,13 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
 fi
 
 scripts/services.sh
+# wrk measures the flood section (Debian's package).
+if ! command -v wrk >/dev/null 2>&1; then
+    echo "bench: installing wrk (Debian package wrk)"
+    if [[ $EUID -eq 0 ]]; then sudo=(); else sudo=(sudo); fi
+    "${sudo[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends wrk >/dev/null
+fi
 cargo build --release --locked -p flashsale-bench
 
 out=results

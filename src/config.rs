@@ -90,6 +90,13 @@ pub struct KafkaSettings {
     pub replication_factor: i32,
     pub publish_timeout_ms: u64,
     pub linger_ms: u64,
+    /// librdkafka's `batch.size`: the most bytes one batch of a partition holds.
+    #[serde(default = "default_producer_batch_bytes")]
+    pub batch_bytes: u32,
+    /// librdkafka's `max.in.flight.requests.per.connection` (at most 5 with
+    /// idempotence).
+    #[serde(default = "default_producer_max_in_flight")]
+    pub max_in_flight: u32,
     /// The idempotent producer (no duplicates from retries). On by default; off
     /// only for brokers whose idempotence support is broken (tansu 0.6): the
     /// consumer absorbs duplicates anyway.
@@ -97,6 +104,14 @@ pub struct KafkaSettings {
     /// librdkafka's `debug` contexts (e.g. "consumer,cgrp"); empty for none.
     #[serde(default)]
     pub client_debug: String,
+}
+
+fn default_producer_batch_bytes() -> u32 {
+    1_000_000
+}
+
+fn default_producer_max_in_flight() -> u32 {
+    5
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -197,6 +212,12 @@ impl Settings {
         }
         if self.kafka.publish_timeout_ms == 0 {
             bail!("kafka.publish_timeout_ms must be positive");
+        }
+        if self.kafka.batch_bytes == 0 || self.kafka.max_in_flight == 0 {
+            bail!("kafka.batch_bytes and kafka.max_in_flight must be positive");
+        }
+        if self.kafka.idempotence && self.kafka.max_in_flight > 5 {
+            bail!("kafka.max_in_flight must be at most 5 with kafka.idempotence");
         }
         if self.server.max_concurrency == 0 || self.server.request_timeout_ms == 0 {
             bail!("server.max_concurrency and server.request_timeout_ms must be positive");

@@ -11,20 +11,36 @@
 //! - [`server`]: the strategies (`mysql`, `redis-decr`, `redis-lock`, `noop`) behind
 //!   the service's own auth and protection layers, and the real service (`service`);
 //! - [`side`]: the "other business" sharing the database, a point query at a fixed rate;
-//! - [`machine`]: what the machine is, and where its CPU went during each run;
-//! - [`ceiling`]: `redis-benchmark` driving the service's reserve script;
-//! - [`cluster`]: the hot SKU on a Redis Cluster, one stock shard against three;
-//! - [`suite`] and [`report`]: the whole comparison and its markdown report.
+//! - [`machine`] and [`redis_info`]: what the machine is, where its CPU went, and
+//!   Redis's own counters;
+//! - [`options`] and [`model`]: what a comparison is asked to do, and what it
+//!   measured (the data the report renders);
+//! - [`process`] and [`context`]: the child processes, and what every section shares;
+//! - the sections: [`ceiling`] (Redis and the broker alone), [`strategies`] (side
+//!   by side), [`flood`] (wrk, CPU per request by phase), [`gate`] (the sold-out
+//!   gate reopening), [`producer`] (the producer's settings), [`cluster`] (the hot
+//!   SKU on a Redis Cluster);
+//! - [`suite`]: the comparison, section after section; [`report`]: its markdown.
 
 pub mod ceiling;
 pub mod client;
 pub mod cluster;
+pub mod context;
+pub mod flood;
+pub mod gate;
 pub mod loadgen;
 pub mod machine;
+pub mod model;
+pub mod options;
+pub mod process;
+pub mod producer;
+pub mod redis_info;
 pub mod report;
 pub mod server;
 pub mod side;
+pub mod strategies;
 pub mod suite;
+pub mod verdict;
 
 /// Replaces the database name at the end of a MySQL URL (`mysql://u@h:p/db?x=y`),
 /// so benchmark databases inherit host, user and options from the configuration.

@@ -191,7 +191,15 @@ pub struct SaleCheck {
     /// Never more `202`s than units.
     pub no_oversell: Option<bool>,
     pub no_user_twice: bool,
+    /// When each `202` arrived, in milliseconds from the start of the load, for
+    /// the first [`ACCEPT_LOG_CAP`] of them.
+    #[serde(default)]
+    pub accept_times_ms: Vec<f64>,
 }
+
+/// How many `202` arrival times a run keeps: every one of a flash sale's, a
+/// saturation run's first few.
+pub const ACCEPT_LOG_CAP: u64 = 10_000;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TimelinePoint {
@@ -251,6 +259,8 @@ struct Shared {
     accepted: AtomicU64,
     /// Microseconds from t0 to the latest 202.
     last_accept_us: AtomicU64,
+    /// Microseconds from t0 to each 202, the first `ACCEPT_LOG_CAP` of them.
+    accept_log: std::sync::Mutex<Vec<u64>>,
     wins: Vec<AtomicU32>,
     /// Request number → user index (shuffled order); empty for adjacent clicks.
     permutation: Vec<u32>,
@@ -334,6 +344,7 @@ pub async fn run(plan: Plan) -> anyhow::Result<LoadReport> {
         answered: AtomicU64::new(0),
         accepted: AtomicU64::new(0),
         last_accept_us: AtomicU64::new(0),
+        accept_log: std::sync::Mutex::new(Vec::new()),
         wins: (0..plan.users.len()).map(|_| AtomicU32::new(0)).collect(),
         permutation: match plan.order {
             ClickOrder::Adjacent => Vec::new(),
@@ -361,31 +372,22 @@ pub async fn run(plan: Plan) -> anyhow::Result<LoadReport> {
     let measure_from = t0 + plan.warmup;
     let deadline = t0 + plan.max_duration;
 
+    let run = Arc::new(RunContext {
+        addr: plan.addr,
+        shared: shared.clone(),
+        users: users.clone(),
+        path,
+        clicks,
+        planned,
+        rate: plan.rate,
+        timeout: plan.request_timeout,
+        t0,
+        measure_from,
+        deadline,
+    });
     let mut workers = Vec::with_capacity(conns.len());
     for conn in conns {
-        let shared = shared.clone();
-        let users = users.clone();
-        let path = path.clone();
-        let rate = plan.rate;
-        let timeout = plan.request_timeout;
-        let addr = plan.addr;
-        workers.push(tokio::spawn(async move {
-            worker(
-                conn,
-                addr,
-                shared,
-                users,
-                path,
-                clicks,
-                planned,
-                rate,
-                timeout,
-                t0,
-                measure_from,
-                deadline,
-            )
-            .await
-        }));
+        workers.push(tokio::spawn(worker(conn, run.clone())));
     }
 
     // Progress and the timeline: one sample every 100 ms, off the request path.
@@ -487,6 +489,15 @@ pub async fn run(plan: Plan) -> anyhow::Result<LoadReport> {
             .map(|u| winners == u && accepted == u),
         no_oversell: plan.units.map(|u| accepted <= u),
         no_user_twice: several == 0,
+        accept_times_ms: {
+            let mut log = shared
+                .accept_log
+                .lock()
+                .map(|l| l.clone())
+                .unwrap_or_default();
+            log.sort_unstable();
+            log.into_iter().map(|us| us as f64 / 1000.0).collect()
+        },
     };
 
     Ok(LoadReport {
@@ -524,22 +535,54 @@ pub async fn run(plan: Plan) -> anyhow::Result<LoadReport> {
     })
 }
 
-/// One connection's loop: take the next request number, send it, time it, count it.
-#[allow(clippy::too_many_arguments)]
-async fn worker(
-    conn: Conn,
+/// What every connection's loop shares for one run.
+struct RunContext {
     addr: SocketAddr,
     shared: Arc<Shared>,
     users: Arc<Vec<UserToken>>,
     path: String,
     clicks: u64,
     planned: u64,
+    /// Requests per second (open loop); `None` for fixed concurrency.
     rate: Option<f64>,
     timeout: Duration,
     t0: Instant,
     measure_from: Instant,
     deadline: Instant,
-) -> anyhow::Result<WorkerOut> {
+}
+
+impl RunContext {
+    /// When request `i` should start: now in closed loop, on schedule in open loop
+    /// (`None` once the schedule passes the deadline). The flag says it started late.
+    async fn start_of(&self, i: u64, now: Instant) -> Option<(Instant, bool)> {
+        let Some(r) = self.rate else {
+            return Some((now, false));
+        };
+        let due = self.t0 + Duration::from_secs_f64(i as f64 / r);
+        if due >= self.deadline {
+            return None;
+        }
+        if due > now {
+            tokio::time::sleep_until(due.into()).await;
+            return Some((Instant::now(), false));
+        }
+        // Every connection was busy when this one fell due: it waited in the
+        // queue, and that wait is part of its latency.
+        Some((due, now - due > Duration::from_millis(1)))
+    }
+
+    /// The user who sends request `i`.
+    fn user_of(&self, i: u64) -> usize {
+        (match self.shared.permutation.get(i as usize) {
+            Some(p) => u64::from(*p) / self.clicks,
+            None => i / self.clicks,
+        }) as usize
+    }
+}
+
+/// One connection's loop: take the next request number, send it, time it, count it.
+async fn worker(conn: Conn, run: Arc<RunContext>) -> anyhow::Result<WorkerOut> {
+    let shared = &run.shared;
     let mut out = WorkerOut {
         hist: new_histogram()?,
         codes: Vec::new(),
@@ -552,41 +595,24 @@ async fn worker(
     let mut conn = Some(conn);
     loop {
         let i = shared.next.fetch_add(1, Ordering::Relaxed);
-        if i >= planned {
+        if i >= run.planned {
             break;
         }
         let now = Instant::now();
-        if now >= deadline {
+        if now >= run.deadline {
             break;
         }
-        let start = match rate {
-            None => now,
-            Some(r) => {
-                let due = t0 + Duration::from_secs_f64(i as f64 / r);
-                if due >= deadline {
-                    break;
-                }
-                if due > now {
-                    tokio::time::sleep_until(due.into()).await;
-                    Instant::now()
-                } else {
-                    // Every connection was busy when this one fell due: it waited
-                    // in the queue, and that wait is part of its latency.
-                    if now - due > Duration::from_millis(1) {
-                        out.late_starts += 1;
-                    }
-                    due
-                }
-            }
+        let Some((start, late)) = run.start_of(i, now).await else {
+            break;
         };
-        let user = match shared.permutation.get(i as usize) {
-            Some(p) => u64::from(*p) / clicks,
-            None => i / clicks,
-        } as usize;
+        if late {
+            out.late_starts += 1;
+        }
+        let user = run.user_of(i);
         out.started += 1;
 
         if conn.is_none() {
-            match Conn::connect(addr).await {
+            match Conn::connect(run.addr).await {
                 Ok(c) => conn = Some(c),
                 Err(_) => {
                     *out.errors.entry("connect".into()).or_insert(0) += 1;
@@ -598,8 +624,13 @@ async fn worker(
         }
         let Some(c) = conn.as_mut() else { continue };
         let result = tokio::time::timeout(
-            timeout,
-            c.send(Method::POST, &path, Some(&users[user].authorization), None),
+            run.timeout,
+            c.send(
+                Method::POST,
+                &run.path,
+                Some(&run.users[user].authorization),
+                None,
+            ),
         )
         .await;
         let done = Instant::now();
@@ -608,11 +639,16 @@ async fn worker(
                 out.count(status, &body);
                 if status == StatusCode::ACCEPTED {
                     shared.wins[user].fetch_add(1, Ordering::Relaxed);
-                    shared.accepted.fetch_add(1, Ordering::Relaxed);
-                    let us = u64::try_from((done - t0).as_micros()).unwrap_or(u64::MAX);
+                    let n = shared.accepted.fetch_add(1, Ordering::Relaxed);
+                    let us = u64::try_from((done - run.t0).as_micros()).unwrap_or(u64::MAX);
                     shared.last_accept_us.fetch_max(us, Ordering::Relaxed);
+                    if n < ACCEPT_LOG_CAP {
+                        if let Ok(mut log) = shared.accept_log.lock() {
+                            log.push(us);
+                        }
+                    }
                 }
-                if start >= measure_from {
+                if start >= run.measure_from {
                     let us = u64::try_from((done - start).as_micros()).unwrap_or(u64::MAX);
                     out.hist.saturating_record(us.max(1));
                     out.measured += 1;

@@ -187,6 +187,11 @@ fn process_ticks(pid: u32) -> Option<u64> {
     Some(utime + stime)
 }
 
+/// CPU seconds (user + system, all threads) a process has used so far.
+pub fn process_cpu_s(pid: u32) -> Option<f64> {
+    Some(process_ticks(pid)? as f64 / clock_ticks_per_second())
+}
+
 /// (busy, total) ticks of the whole machine, from the first line of /proc/stat.
 fn machine_ticks() -> Option<(u64, u64)> {
     let stat = fs::read_to_string("/proc/stat").ok()?;

@@ -165,6 +165,10 @@ pub async fn reserve(
     if activity.paused {
         return Err(count(AppError::Paused));
     }
+    // The flood after the sell-out: answered here, before a task or an id is made.
+    if state.stock.sold_out_from_memory(&activity.id, &user.id) {
+        return Err(count(AppError::SoldOut));
+    }
     // From here on, stock may be held: run the rest as its own task so that a
     // client hanging up (or the request timeout) cannot stop it half-way between
     // Redis and Kafka. Shutdown waits for these tasks.

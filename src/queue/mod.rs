@@ -82,6 +82,11 @@ fn create_producer(settings: &KafkaSettings) -> anyhow::Result<FutureProducer> {
         .set("enable.idempotence", settings.idempotence.to_string())
         .set("acks", "all")
         .set("linger.ms", settings.linger_ms.to_string())
+        .set("batch.size", settings.batch_bytes.to_string())
+        .set(
+            "max.in.flight.requests.per.connection",
+            settings.max_in_flight.to_string(),
+        )
         // librdkafka fails a message it could not deliver within this time, and
         // only then do we return the units: the report is the single truth.
         .set(

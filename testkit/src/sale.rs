@@ -22,6 +22,8 @@ pub struct SaleSpec {
     pub payment_timeout_secs: u32,
     /// Stock shards (`"stock_shards"`, API version 2); 1 keeps one hash tag.
     pub stock_shards: u8,
+    /// Seconds from now to `starts_at`: negative for a sale already selling.
+    pub starts_in_secs: i64,
 }
 
 impl SaleSpec {
@@ -32,12 +34,13 @@ impl SaleSpec {
             per_user_limit: 1,
             payment_timeout_secs: 900,
             stock_shards: 1,
+            starts_in_secs: -5,
         }
     }
 }
 
-/// Creates a sale that opened a few seconds ago and preloads it into Redis, so it
-/// is selling when this returns.
+/// Creates a sale (by default one that opened a few seconds ago) and preloads it
+/// into Redis, so it is selling when this returns if its window is open.
 pub async fn open_sale(
     client: &reqwest::Client,
     base: &str,
@@ -53,7 +56,7 @@ pub async fn open_sale(
             "sku": sku,
             "stock": spec.stock,
             "per_user_limit": spec.per_user_limit,
-            "starts_at": now - chrono::Duration::seconds(5),
+            "starts_at": now + chrono::Duration::seconds(spec.starts_in_secs),
             "ends_at": now + chrono::Duration::hours(1),
             "payment_timeout_secs": spec.payment_timeout_secs,
             "stock_shards": spec.stock_shards,

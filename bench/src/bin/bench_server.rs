@@ -48,6 +48,10 @@ struct Cli {
     /// Keep the database after stopping.
     #[arg(long)]
     keep: bool,
+    /// Run as a second instance of the service of this run id (printed by the
+    /// first as `run_id`): same database, topic and consumer group.
+    #[arg(long)]
+    join: Option<String>,
 }
 
 #[tokio::main]
@@ -64,6 +68,7 @@ async fn main() -> anyhow::Result<()> {
         lock_ttl: Duration::from_millis(cli.lock_ttl_ms),
         stop_on_stdin_eof: cli.stop_on_stdin_eof,
         keep: cli.keep,
+        join: cli.join,
     })
     .await
 }

@@ -3,7 +3,8 @@
 //! `scripts/plots.py`). `scripts/bench.sh` is the documented way to run it.
 
 use clap::Parser;
-use flashsale_bench::suite::{self, SuiteOptions};
+use flashsale_bench::options::SuiteOptions;
+use flashsale_bench::suite;
 
 #[derive(Parser)]
 #[command(

@@ -121,6 +121,9 @@ pub struct ServerOptions {
     pub stop_on_stdin_eof: bool,
     /// Keep the database after stopping, for inspection.
     pub keep: bool,
+    /// Join the running service of this run id (its database, topic and consumer
+    /// group) as a second instance; the database is then left to the first.
+    pub join: Option<String>,
 }
 
 /// What a started server prints as its first line on stdout (JSON).
@@ -133,6 +136,9 @@ pub struct Announce {
     /// The order consumers' group, for the service.
     #[serde(default)]
     pub group: Option<String>,
+    /// What a second instance passes as `--join`.
+    #[serde(default)]
+    pub run_id: String,
 }
 
 /// The service's settings for one benchmark server: its own database, topic and
@@ -201,17 +207,20 @@ fn announce(a: &Announce) -> anyhow::Result<()> {
 
 /// Runs one strategy until asked to stop, then removes what it created.
 pub async fn serve(opts: ServerOptions) -> anyhow::Result<()> {
-    let run_id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+    let run_id = match &opts.join {
+        Some(id) => id.clone(),
+        None => uuid::Uuid::new_v4().simple().to_string()[..12].to_owned(),
+    };
     let (settings, database) = bench_settings(&opts, &run_id)?;
     flashsale::telemetry::init_tracing(&settings.log);
     startup::migrate(&settings.mysql)
         .await
         .context("failed to create the benchmark database")?;
     let result = match opts.strategy {
-        StrategyKind::Service => serve_service(&opts, settings.clone(), &database).await,
+        StrategyKind::Service => serve_service(&opts, settings.clone(), &database, &run_id).await,
         _ => serve_strategy(&opts, settings.clone(), &database, &run_id).await,
     };
-    if !opts.keep {
+    if !opts.keep && opts.join.is_none() {
         cleanup(&settings).await;
     }
     result
@@ -222,6 +231,7 @@ async fn serve_service(
     opts: &ServerOptions,
     settings: Settings,
     database: &str,
+    run_id: &str,
 ) -> anyhow::Result<()> {
     let topic = settings.kafka.topic.clone();
     let group = settings.kafka.group_id.clone();
@@ -234,6 +244,7 @@ async fn serve_service(
         database: database.to_owned(),
         topic: Some(topic),
         group: Some(group),
+        run_id: run_id.to_owned(),
     })?;
     let token = app.shutdown_token();
     let stdin_eof = opts.stop_on_stdin_eof;
@@ -301,6 +312,7 @@ async fn serve_strategy(
         database: database.to_owned(),
         topic: None,
         group: None,
+        run_id: run_id.to_owned(),
     })?;
     let stdin_eof = opts.stop_on_stdin_eof;
     axum::serve(

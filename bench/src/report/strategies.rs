@@ -1,71 +1,30 @@
-//! The markdown report of a comparison (`results/report.md`).
+//! The strategies side by side: the machine, the headline, the targets, the
+//! ceilings, half rate, the sale, the side query, the CPU, plots and method.
 
 use std::fmt::Write as _;
 
-use crate::loadgen::LoadReport;
+use super::format::{answers, ms, ratio, side_cell, thousands, verdict};
+use crate::ceiling::BrokerCeiling;
 use crate::machine::CpuWindow;
+use crate::model::{Phase, Summary};
 use crate::server::StrategyKind;
-use crate::side::SideStats;
-use crate::suite::Summary;
 
-/// 12345.6 → "12,346".
-pub fn thousands(x: f64) -> String {
-    let n = x.round() as i64;
-    let digits = n.unsigned_abs().to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    if n < 0 {
-        format!("-{out}")
-    } else {
-        out
-    }
+/// The sections before the extra measurements, in order.
+pub fn before(md: &mut String, summary: &Summary) {
+    title_and_machine(md, summary);
+    headline(md, summary);
+    targets(md, summary);
+    ceilings(md, summary);
+    half_rate(md, summary);
+    small_sale(md, summary);
+    side_query(md, summary);
+    cpu(md, summary);
 }
 
-/// Milliseconds with three significant digits or so.
-pub fn ms(x: f64) -> String {
-    if x >= 100.0 {
-        format!("{x:.0}")
-    } else if x >= 10.0 {
-        format!("{x:.1}")
-    } else if x >= 1.0 {
-        format!("{x:.2}")
-    } else {
-        format!("{x:.3}")
-    }
-}
-
-fn ratio(a: f64, b: f64) -> String {
-    if b > 0.0 {
-        format!("{:.2}×", a / b)
-    } else {
-        "–".into()
-    }
-}
-
-fn answers(load: &LoadReport) -> String {
-    let mut parts: Vec<String> = load
-        .codes
-        .iter()
-        .map(|(k, v)| format!("{k}: {}", thousands(*v as f64)))
-        .collect();
-    parts.extend(
-        load.errors
-            .iter()
-            .map(|(k, v)| format!("error {k}: {}", thousands(*v as f64))),
-    );
-    parts.join(", ")
-}
-
-fn side_cell(s: &SideStats) -> String {
-    if s.queries == 0 {
-        return "–".into();
-    }
-    format!("{} / {}", ms(s.latency.p50_ms), ms(s.latency.p99_ms))
+/// The sections after the extra measurements, in order.
+pub fn after(md: &mut String, summary: &Summary) {
+    plots(md);
+    method(md, summary);
 }
 
 fn noop_rps(summary: &Summary) -> Option<f64> {
@@ -76,7 +35,7 @@ fn noop_rps(summary: &Summary) -> Option<f64> {
 }
 
 /// The broker ceiling with as many publishes in flight as the load had connections.
-fn broker_at_concurrency(summary: &Summary) -> Option<&crate::ceiling::BrokerCeiling> {
+pub fn broker_at_concurrency(summary: &Summary) -> Option<&BrokerCeiling> {
     summary
         .broker_ceiling
         .iter()
@@ -92,11 +51,7 @@ fn redis_ceiling_rps(summary: &Summary) -> Option<f64> {
 }
 
 /// What bounds a strategy by construction, when the figures show it.
-fn structural_bound(
-    summary: &Summary,
-    kind: StrategyKind,
-    p: &crate::suite::Phase,
-) -> Option<String> {
+fn structural_bound(summary: &Summary, kind: StrategyKind, p: &Phase) -> Option<String> {
     match kind {
         StrategyKind::Service => broker_at_concurrency(summary).map(|b| {
             format!(
@@ -118,7 +73,7 @@ fn structural_bound(
 
 /// One phrase on what bounded a run, from its CPU split (and, when known, from how
 /// the strategy works).
-pub fn bound_hint(cpu: &CpuWindow, cpus: usize, structural: Option<String>) -> String {
+fn bound_hint(cpu: &CpuWindow, cpus: usize, structural: Option<String>) -> String {
     let hint = cpu_hint(cpu, cpus);
     match structural {
         Some(s) => format!("{s}; {hint}"),
@@ -153,18 +108,10 @@ fn cpu_hint(cpu: &CpuWindow, cpus: usize) -> String {
     }
 }
 
-fn verdict(ok: bool) -> &'static str {
-    if ok {
-        "**met**"
-    } else {
-        "**missed**"
-    }
-}
-
-pub fn render(summary: &Summary) -> String {
-    let mut md = String::new();
-    let o = &summary.options;
+/// The title, the command and the machine it ran on.
+fn title_and_machine(md: &mut String, summary: &Summary) {
     let m = &summary.machine;
+
     let _ = writeln!(md, "# flashsale: the seed's strategies side by side\n");
     let _ = writeln!(
         md,
@@ -196,8 +143,11 @@ pub fn render(summary: &Summary) -> String {
          so each figure is best read as a ratio to the ceilings measured in the same run.\n",
         m.cpus
     );
+}
 
-    // ------------------------------------------------------------------ headline
+/// Saturation, every strategy: the headline table.
+fn headline(md: &mut String, summary: &Summary) {
+    let o = &summary.options;
     let noop = noop_rps(summary);
     let redis = redis_ceiling_rps(summary);
     let _ = writeln!(
@@ -254,11 +204,10 @@ pub fn render(summary: &Summary) -> String {
         }
     }
     let _ = writeln!(md);
+}
 
-    // ------------------------------------------------------------------- targets
-    render_targets(&mut md, summary);
-
-    // ----------------------------------------------------------------- ceilings
+/// The Redis, HTTP and broker ceilings measured in the same run.
+fn ceilings(md: &mut String, summary: &Summary) {
     let _ = writeln!(md, "## Ceilings, measured in the same run\n");
     let _ = writeln!(
         md,
@@ -323,8 +272,10 @@ pub fn render(summary: &Summary) -> String {
             );
         }
     }
+}
 
-    // ---------------------------------------------------------------- half rate
+/// Latency at half of each strategy's own saturation rate.
+fn half_rate(md: &mut String, summary: &Summary) {
     let _ = writeln!(
         md,
         "## Latency at half of each strategy's own saturation rate (open loop)\n"
@@ -357,8 +308,11 @@ pub fn render(summary: &Summary) -> String {
         }
     }
     let _ = writeln!(md);
+}
 
-    // ---------------------------------------------------------------- the sale
+/// The flash sale itself: the sold-out phase and the invariants.
+fn small_sale(md: &mut String, summary: &Summary) {
+    let o = &summary.options;
     let _ = writeln!(
         md,
         "## The flash sale: {} units, {} users × {} clicks (the sold-out phase)\n",
@@ -423,8 +377,11 @@ pub fn render(summary: &Summary) -> String {
         }
     }
     let _ = writeln!(md);
+}
 
-    // ----------------------------------------------------------- side query
+/// What each run did to the other business's query.
+fn side_query(md: &mut String, summary: &Summary) {
+    let o = &summary.options;
     let _ = writeln!(md, "## Collateral damage: the other business's query\n");
     let _ = writeln!(
         md,
@@ -482,8 +439,11 @@ pub fn render(summary: &Summary) -> String {
         }
     }
     let _ = writeln!(md);
+}
 
-    // ------------------------------------------------------------------- CPU
+/// Where the CPU went in each run, and what bounded it.
+fn cpu(md: &mut String, summary: &Summary) {
+    let m = &summary.machine;
     let _ = writeln!(
         md,
         "## Where the CPU went (% of one core; the machine has {} %)\n",
@@ -551,20 +511,20 @@ pub fn render(summary: &Summary) -> String {
         "\n\"other\" is CPU used by processes outside the benchmark (a compiler, say): a large \
          figure marks a noisy run.\n"
     );
+}
 
-    if let Some(c) = &summary.cluster {
-        crate::cluster::render(&mut md, &c.plan, &c.runs);
-        md.push('\n');
-    }
-
-    // ----------------------------------------------------------------- plots
+/// The plots `scripts/plots.py` draws beside the report.
+fn plots(md: &mut String) {
     let _ = writeln!(md, "## Plots\n");
     let _ = writeln!(md, "![throughput per strategy](throughput.png)\n");
     let _ = writeln!(md, "![latency CDF per strategy](latency_cdf.png)\n");
     let _ = writeln!(md, "![side-query latency](side_query.png)\n");
     let _ = writeln!(md, "![the small-stock sale over time](sale_timeline.png)\n");
+}
 
-    // ---------------------------------------------------------------- method
+/// How the strategies and the load were run.
+fn method(md: &mut String, summary: &Summary) {
+    let o = &summary.options;
     let _ = writeln!(md, "## Method\n");
     for s in &summary.strategies {
         let _ = writeln!(md, "- **{}**: {}.", s.name, s.description);
@@ -592,10 +552,10 @@ pub fn render(summary: &Summary) -> String {
         md,
         "- Raw data: `summary.json` and `runs/*.json` next to this report."
     );
-    md
 }
 
-fn render_targets(md: &mut String, summary: &Summary) {
+/// The service's targets against the figures (not assertions).
+fn targets(md: &mut String, summary: &Summary) {
     let service = summary.strategy(StrategyKind::Service);
     let sat = service.and_then(|s| s.saturation.as_ref());
     let half = service.and_then(|s| s.half_rate.as_ref());
@@ -672,17 +632,4 @@ fn render_targets(md: &mut String, summary: &Summary) {
         }
     }
     let _ = writeln!(md);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn formats() {
-        assert_eq!(thousands(1234567.4), "1,234,567");
-        assert_eq!(thousands(999.0), "999");
-        assert_eq!(ms(0.1234), "0.123");
-        assert_eq!(ms(12.345), "12.3");
-    }
 }

@@ -1,0 +1,391 @@
+//! The flood, measured with `wrk` (one thread, the suite's connections, every
+//! user with a token of their own): what one request costs the service in each
+//! phase of a sale, against `GET /healthz` and an authenticated no-op behind the
+//! same layers.
+//!
+//! Phases, each a `wrk` run of `--flood-duration` seconds:
+//! - `healthz`: `GET /healthz` on the service (no script: wrk's fastest path);
+//! - `no-op`: `POST /flash/{sku}/reserve` on the no-op strategy's server;
+//! - `sold out`: the same on the service, its one unit sold: `409 sold_out`;
+//! - `refused by window`: a sale that starts in half an hour: `403 not_started`;
+//! - `winning`: a sale with a unit for every user: `202` (each waits for the broker).
+//!
+//! For each: requests per second, latency, the server process's CPU seconds and
+//! Redis's commands during the run, both divided by the requests.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use flashsale::auth::Auth;
+use hyper::{Method, StatusCode};
+use serde::Deserialize;
+use testkit::sale::SaleSpec;
+use tokio::process::Command;
+
+use crate::client::call_json;
+use crate::context::Bench;
+use crate::loadgen::{issue_tokens, UserToken};
+use crate::machine;
+use crate::model::{FloodRun, FloodSection};
+use crate::process::ServerChild;
+use crate::redis_info;
+use crate::server::StrategyKind;
+
+/// Rotates through the users' tokens, one request each in turn; the requests are
+/// built once, in `init`, so `request` costs a table lookup.
+const TOKENS_LUA: &str = r#"
+local reqs = {}
+local n = 0
+local i = 0
+init = function(args)
+  for line in io.lines(args[1]) do
+    n = n + 1
+    reqs[n] = wrk.format(args[2], nil, { ["Authorization"] = line }, nil)
+  end
+end
+request = function()
+  i = i + 1
+  if i > n then i = 1 end
+  return reqs[i]
+end
+"#;
+
+/// Prints wrk's own figures as one JSON line.
+const DONE_LUA: &str = r#"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRK_JSON {"requests":%.0f,"duration_us":%.0f,"status":%.0f,"socket":%.0f,"p50_us":%.0f,"p99_us":%.0f}\n',
+    summary.requests, summary.duration, e.status, e.connect + e.read + e.write + e.timeout,
+    latency:percentile(50), latency:percentile(99)))
+end
+"#;
+
+#[derive(Deserialize)]
+struct WrkOut {
+    requests: u64,
+    duration_us: f64,
+    status: u64,
+    socket: u64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+/// One phase's request: where it goes and with which users.
+struct Target<'a> {
+    phase: &'a str,
+    server: &'a ServerChild,
+    method: Method,
+    path: String,
+    /// A file of `Bearer …` lines; `None` sends no token (and no script per request).
+    tokens: Option<&'a Path>,
+    expected: &'a str,
+}
+
+pub async fn section(bench: &mut Bench) -> anyhow::Result<FloodSection> {
+    let wrk = wrk_version().await?;
+    let dir = bench.runs_dir.join("flood");
+    std::fs::create_dir_all(&dir).with_context(|| format!("failed to create {}", dir.display()))?;
+    let auth = Auth::new(
+        bench.settings.auth.admin_token.clone(),
+        &bench.settings.auth.user_token_secret,
+    )?;
+    let users = bench.opts.small_users;
+    let crowd = write_tokens(&dir, "crowd", &issue_tokens(&auth, "flood-", users, 3600)?)?;
+    // More winners than a run can serve at the broker's pace: each request is a
+    // user's first.
+    let winners = 60_000;
+    let winning = write_tokens(
+        &dir,
+        "winners",
+        &issue_tokens(&auth, "flood-winner-", winners, 3600)?,
+    )?;
+    write_script(&dir, "tokens.lua", &format!("{TOKENS_LUA}{DONE_LUA}"))?;
+    write_script(&dir, "plain.lua", DONE_LUA)?;
+
+    let mut section = FloodSection {
+        wrk,
+        threads: 1,
+        connections: bench.opts.concurrency,
+        users,
+        runs: Vec::new(),
+    };
+
+    eprintln!("== flood: the no-op behind the same layers");
+    let noop = bench.start_server(StrategyKind::Noop, &[]).await?;
+    let sku = bench.next_sku(StrategyKind::Noop, "flood");
+    bench.open_sale(&noop, &sku, 1_000_000).await?;
+    let run = measure(
+        bench,
+        &Target {
+            phase: "no-op",
+            server: &noop,
+            method: Method::POST,
+            path: format!("/flash/{sku}/reserve"),
+            tokens: Some(&crowd),
+            expected: "202",
+        },
+    )
+    .await;
+    noop.stop().await?;
+    section.runs.push(run?);
+
+    eprintln!("== flood: the service");
+    let service = bench.start_server(StrategyKind::Service, &[]).await?;
+    let runs = service_phases(bench, &service, &crowd, &winning, winners).await;
+    service.stop().await?;
+    section.runs.extend(runs?);
+    Ok(section)
+}
+
+/// `/healthz`, then the sold-out, refused and winning phases on one service.
+async fn service_phases(
+    bench: &mut Bench,
+    service: &ServerChild,
+    crowd: &Path,
+    winning: &Path,
+    winners: usize,
+) -> anyhow::Result<Vec<FloodRun>> {
+    let mut runs = Vec::new();
+    runs.push(
+        measure(
+            bench,
+            &Target {
+                phase: "healthz",
+                server: service,
+                method: Method::GET,
+                path: "/healthz".into(),
+                tokens: None,
+                expected: "200",
+            },
+        )
+        .await?,
+    );
+
+    // Sold out: one unit, bought before the flood.
+    let sold = SaleSpec {
+        sku: Some(bench.next_sku(StrategyKind::Service, "flood-sold-out")),
+        ..SaleSpec::new(1)
+    };
+    bench.open_service_sale(service, &sold).await?;
+    let sku = sold.sku.clone().unwrap_or_default();
+    let buyer = first_token(winning)?;
+    let (status, body) = call_json(
+        service.addr,
+        Method::POST,
+        &format!("/flash/{sku}/reserve"),
+        Some(&buyer),
+        None,
+    )
+    .await?;
+    if status != StatusCode::ACCEPTED {
+        bail!("the sold-out sale's one unit was not sold: {status} {body}");
+    }
+    runs.push(
+        measure(
+            bench,
+            &Target {
+                phase: "sold out",
+                server: service,
+                method: Method::POST,
+                path: format!("/flash/{sku}/reserve"),
+                tokens: Some(crowd),
+                expected: "409 sold_out",
+            },
+        )
+        .await?,
+    );
+
+    let upcoming = SaleSpec {
+        sku: Some(bench.next_sku(StrategyKind::Service, "flood-upcoming")),
+        starts_in_secs: 1800,
+        ..SaleSpec::new(100)
+    };
+    bench.open_service_sale(service, &upcoming).await?;
+    runs.push(
+        measure(
+            bench,
+            &Target {
+                phase: "refused by window",
+                server: service,
+                method: Method::POST,
+                path: format!(
+                    "/flash/{}/reserve",
+                    upcoming.sku.as_deref().unwrap_or_default()
+                ),
+                tokens: Some(crowd),
+                expected: "403 not_started",
+            },
+        )
+        .await?,
+    );
+
+    let open = SaleSpec {
+        sku: Some(bench.next_sku(StrategyKind::Service, "flood-winning")),
+        payment_timeout_secs: 3600,
+        ..SaleSpec::new(u32::try_from(winners).context("too many winners")?)
+    };
+    bench.open_service_sale(service, &open).await?;
+    runs.push(
+        measure(
+            bench,
+            &Target {
+                phase: "winning",
+                server: service,
+                method: Method::POST,
+                path: format!("/flash/{}/reserve", open.sku.as_deref().unwrap_or_default()),
+                tokens: Some(winning),
+                expected: "202",
+            },
+        )
+        .await?,
+    );
+    Ok(runs)
+}
+
+/// One `wrk` run against `target`, with the server's CPU and Redis's commands.
+async fn measure(bench: &Bench, target: &Target<'_>) -> anyhow::Result<FloodRun> {
+    let dir = bench.runs_dir.join("flood");
+    let url = format!("http://{}{}", target.server.addr, target.path);
+    let pid = target
+        .server
+        .pid()
+        .context("the server has no process id")?;
+    let redis_url = &bench.settings.redis.url;
+    // The probe's own answer is part of the figures' meaning: record it.
+    let probe = probe(target).await?;
+    let redis_before = redis_info::counters(redis_url).await?;
+    let cpu_before = machine::process_cpu_s(pid);
+    let duration = Duration::from_secs_f64(bench.opts.flood_duration);
+    let mut cmd = Command::new("wrk");
+    cmd.args(["-t1", &format!("-c{}", bench.opts.concurrency)])
+        .arg(format!("-d{}s", duration.as_secs().max(1)))
+        .arg("--latency");
+    match target.tokens {
+        Some(tokens) => {
+            cmd.arg("-s")
+                .arg(dir.join("tokens.lua"))
+                .arg(&url)
+                .arg("--")
+                .arg(tokens)
+                .arg(target.method.as_str());
+        }
+        None => {
+            cmd.arg("-s").arg(dir.join("plain.lua")).arg(&url);
+        }
+    }
+    eprintln!("== flood: {} ({url})", target.phase);
+    let out = tokio::time::timeout(duration + Duration::from_secs(60), cmd.output())
+        .await
+        .context("wrk overran its time bound")?
+        .context("failed to run wrk (scripts/bench.sh installs it)")?;
+    let cpu_after = machine::process_cpu_s(pid);
+    let redis_after = redis_info::counters(redis_url).await?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!(
+            "wrk failed ({}): {stdout}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("WRK_JSON "))
+        .with_context(|| format!("wrk printed no figures: {stdout}"))?;
+    let w: WrkOut = serde_json::from_str(line).context("wrk's figures do not parse")?;
+    let seconds = w.duration_us / 1e6;
+    Ok(FloodRun {
+        phase: target.phase.to_owned(),
+        request: format!("{} {}", target.method, target.path),
+        expected: target.expected.to_owned(),
+        probe,
+        requests: w.requests,
+        seconds,
+        rps: w.requests as f64 / seconds.max(1e-9),
+        p50_ms: w.p50_us / 1000.0,
+        p99_ms: w.p99_us / 1000.0,
+        non_2xx: w.status,
+        socket_errors: w.socket,
+        server_cpu_s: cpu_after.zip(cpu_before).map(|(a, b)| a - b),
+        redis_commands: Some(redis_after.commands.saturating_sub(redis_before.commands)),
+    })
+}
+
+/// One request like the phase's (the tokens file's last user), answered as what?
+async fn probe(target: &Target<'_>) -> anyhow::Result<String> {
+    let token = match target.tokens {
+        Some(path) => Some(last_token(path)?),
+        None => None,
+    };
+    let (status, body) = call_json(
+        target.server.addr,
+        target.method.clone(),
+        &target.path,
+        token.as_deref(),
+        None,
+    )
+    .await?;
+    Ok(match body["code"].as_str() {
+        Some(code) => format!("{} {code}", status.as_u16()),
+        None => status.as_u16().to_string(),
+    })
+}
+
+async fn wrk_version() -> anyhow::Result<String> {
+    let out = Command::new("wrk")
+        .arg("-v")
+        .output()
+        .await
+        .context("wrk is not installed (scripts/bench.sh installs it)")?;
+    // `wrk -v` prints its version and exits 1.
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    Ok(text
+        .lines()
+        .next()
+        .and_then(|l| l.split(" Copyright").next())
+        .unwrap_or("wrk")
+        .trim()
+        .to_owned())
+}
+
+fn write_tokens(dir: &Path, name: &str, users: &[UserToken]) -> anyhow::Result<PathBuf> {
+    let path = dir.join(format!("{name}.tokens"));
+    let mut text = String::with_capacity(users.len() * 200);
+    for u in users {
+        text.push_str(
+            u.authorization
+                .to_str()
+                .context("a token is not printable")?,
+        );
+        text.push('\n');
+    }
+    std::fs::write(&path, text).with_context(|| format!("failed to write {}", path.display()))?;
+    Ok(path)
+}
+
+fn write_script(dir: &Path, name: &str, text: &str) -> anyhow::Result<()> {
+    let path = dir.join(name);
+    std::fs::write(&path, text).with_context(|| format!("failed to write {}", path.display()))
+}
+
+/// The token (without `Bearer `) on the first or last line of a tokens file.
+fn token_at(path: &Path, last: bool) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("failed to read {}", path.display()))?;
+    let mut lines = text.lines();
+    let line = if last { lines.last() } else { lines.next() };
+    line.and_then(|l| l.strip_prefix("Bearer "))
+        .map(str::to_owned)
+        .with_context(|| format!("{} holds no token", path.display()))
+}
+
+fn first_token(path: &Path) -> anyhow::Result<String> {
+    token_at(path, false)
+}
+
+fn last_token(path: &Path) -> anyhow::Result<String> {
+    token_at(path, true)
+}

@@ -1,0 +1,239 @@
+//! What a comparison measured: the data the suite fills in, `summary.json` holds
+//! and the report renders. Nothing here runs anything.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::ceiling::{BrokerCeiling, RedisCeiling};
+use crate::loadgen::LoadReport;
+use crate::machine::{CpuWindow, Machine};
+use crate::options::SuiteOptions;
+use crate::server::StrategyKind;
+use crate::side::SideStats;
+
+/// The Cluster section's plan and its two runs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClusterSection {
+    pub plan: ClusterPlan,
+    pub runs: Vec<ShardRun>,
+}
+
+/// A server-side verdict on a run.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ServerCheck {
+    pub ok: bool,
+    pub notes: Vec<String>,
+}
+
+/// One load run against one strategy, with what happened around it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Phase {
+    pub load: LoadReport,
+    pub side: SideStats,
+    pub cpu: CpuWindow,
+    /// The busiest processes outside the benchmark while the load generator ran
+    /// (name, % of one core).
+    pub others: Vec<(String, f64)>,
+    /// The server's own view after the run (`/bench/sales/{sku}` or the admin API).
+    pub server: Value,
+    pub check: ServerCheck,
+    /// Service only: seconds after the load until MySQL held every order.
+    pub drain_s: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StrategyResult {
+    pub strategy: StrategyKind,
+    pub name: String,
+    pub description: String,
+    pub saturation: Option<Phase>,
+    pub half_rate: Option<Phase>,
+    pub small: Option<Phase>,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Summary {
+    pub started_at: String,
+    pub finished_at: String,
+    pub seconds: f64,
+    pub command: String,
+    pub options: SuiteOptions,
+    pub machine: Machine,
+    pub side_idle: SideStats,
+    pub cpu_idle: CpuWindow,
+    pub redis_ceiling: Vec<RedisCeiling>,
+    /// One publish in flight, then as many as the load test's connections.
+    pub broker_ceiling: Vec<BrokerCeiling>,
+    pub strategies: Vec<StrategyResult>,
+    /// The hot SKU on a Redis Cluster, stock_shards 1 and 3 (`None`: skipped).
+    #[serde(default)]
+    pub cluster: Option<ClusterSection>,
+    /// The flood measured with `wrk`: CPU per request by phase (`None`: skipped).
+    #[serde(default)]
+    pub flood: Option<FloodSection>,
+    /// The sold-out gate reopening across instances (`None`: skipped).
+    #[serde(default)]
+    pub gate: Option<GateSection>,
+    /// The producer's settings against the broker (`None`: skipped).
+    #[serde(default)]
+    pub producer: Option<ProducerSection>,
+}
+
+impl Summary {
+    pub fn strategy(&self, kind: StrategyKind) -> Option<&StrategyResult> {
+        self.strategies.iter().find(|s| s.strategy == kind)
+    }
+}
+
+/// What the Cluster section sells.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClusterPlan {
+    pub units: u32,
+    pub users: usize,
+    pub clicks: u32,
+    pub connections: usize,
+    pub request_timeout: Duration,
+}
+
+/// One Redis primary's share of a run.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PrimaryShare {
+    pub port: u16,
+    /// Which of the sale's stock shards it owns.
+    pub shards: Vec<u8>,
+    /// EVALSHA and EVAL calls it served during the run.
+    pub script_calls: u64,
+    /// CPU seconds it spent (user + system), all threads.
+    pub cpu_s: f64,
+}
+
+/// One sale on the Cluster.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardRun {
+    pub stock_shards: u8,
+    pub load: LoadReport,
+    pub primaries: Vec<PrimaryShare>,
+    /// CPU seconds of the service process during the run.
+    pub service_cpu_s: Option<f64>,
+}
+
+impl ShardRun {
+    pub fn script_calls(&self) -> u64 {
+        self.primaries.iter().map(|p| p.script_calls).sum()
+    }
+
+    pub fn redis_cpu_s(&self) -> f64 {
+        self.primaries.iter().map(|p| p.cpu_s).sum()
+    }
+
+    /// Script calls per answered request.
+    pub fn calls_per_request(&self) -> f64 {
+        self.script_calls() as f64 / self.load.answered.max(1) as f64
+    }
+
+    /// Redis CPU microseconds per script call, over every primary.
+    pub fn us_per_call(&self) -> f64 {
+        self.redis_cpu_s() * 1e6 / self.script_calls().max(1) as f64
+    }
+
+    /// The busiest primary's share of the calls.
+    pub fn hottest_share(&self) -> f64 {
+        let most = self
+            .primaries
+            .iter()
+            .map(|p| p.script_calls)
+            .max()
+            .unwrap_or(0);
+        most as f64 / self.script_calls().max(1) as f64
+    }
+}
+
+/// One `wrk` run of the flood section.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct FloodRun {
+    /// `healthz`, `no-op`, `sold out`, `refused by window`, `winning`.
+    pub phase: String,
+    /// The request, as sent.
+    pub request: String,
+    /// The answer every request of the phase should get, and what one probe got.
+    pub expected: String,
+    pub probe: String,
+    pub requests: u64,
+    pub seconds: f64,
+    pub rps: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    /// Answers outside 2xx/3xx, as `wrk` counts them.
+    pub non_2xx: u64,
+    /// Connect, read, write errors and timeouts.
+    pub socket_errors: u64,
+    /// CPU seconds of the server process (all threads) during the run.
+    pub server_cpu_s: Option<f64>,
+    /// Commands Redis processed during the run (`total_commands_processed`).
+    pub redis_commands: Option<u64>,
+}
+
+impl FloodRun {
+    pub fn cpu_us_per_request(&self) -> Option<f64> {
+        self.server_cpu_s
+            .map(|s| s * 1e6 / self.requests.max(1) as f64)
+    }
+
+    pub fn redis_commands_per_request(&self) -> Option<f64> {
+        self.redis_commands
+            .map(|c| c as f64 / self.requests.max(1) as f64)
+    }
+}
+
+/// The flood measured with `wrk`: the service's reserve route against `/healthz`
+/// and an authenticated no-op behind the same layers, and CPU per request by phase.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct FloodSection {
+    pub wrk: String,
+    pub threads: u32,
+    pub connections: usize,
+    pub users: usize,
+    pub runs: Vec<FloodRun>,
+}
+
+impl FloodSection {
+    pub fn run(&self, phase: &str) -> Option<&FloodRun> {
+        self.runs.iter().find(|r| r.phase == phase)
+    }
+}
+
+/// The sold-out gate reopening on one instance when units come back through
+/// another, during a flood.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GateSection {
+    /// Units sold before the flood's sell-out, and as many returned later.
+    pub units: u32,
+    /// How often an instance re-checks a shut gate, in milliseconds (the bound).
+    pub recheck_ms: u64,
+    /// The flood on the first instance.
+    pub flood: LoadReport,
+    /// Milliseconds from the flood's start to the top-up's answer (second instance).
+    pub returned_at_ms: f64,
+    /// The `202`s after the units came back, in milliseconds after their return.
+    pub accepts_after_return_ms: Vec<f64>,
+    /// Requests the flood answered after the last of those `202`s: it went on.
+    pub answered_after_last_accept: u64,
+}
+
+/// One producer configuration against the broker, 64 publishes in flight.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProducerRun {
+    /// The one setting changed from the default, e.g. `linger.ms = 5`.
+    pub setting: String,
+    pub ceiling: BrokerCeiling,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProducerSection {
+    /// The default the other rows change one setting of.
+    pub default: String,
+    pub runs: Vec<ProducerRun>,
+}

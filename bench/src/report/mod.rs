@@ -1,0 +1,29 @@
+//! The markdown report of a comparison (`results/report.md`): one function per
+//! section, each reading the [`Summary`] and nothing else.
+
+mod cluster;
+mod flood;
+pub mod format;
+mod strategies;
+
+use crate::model::Summary;
+
+pub fn render(summary: &Summary) -> String {
+    let mut md = String::new();
+    strategies::before(&mut md, summary);
+    if let Some(f) = &summary.flood {
+        flood::flood(&mut md, f);
+    }
+    if let Some(g) = &summary.gate {
+        flood::gate(&mut md, g);
+    }
+    if let Some(p) = &summary.producer {
+        flood::producer(&mut md, p);
+    }
+    if let Some(c) = &summary.cluster {
+        cluster::section(&mut md, &c.plan, &c.runs);
+        md.push('\n');
+    }
+    strategies::after(&mut md, summary);
+    md
+}
