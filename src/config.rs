@@ -118,6 +118,14 @@ fn default_producer_max_in_flight() -> u32 {
 pub struct AuthSettings {
     pub admin_token: SecretString,
     pub user_token_secret: SecretString,
+    /// User tokens kept as verified (subject and expiry) per process; 0 verifies
+    /// every request in full.
+    #[serde(default = "default_verified_tokens")]
+    pub verified_tokens: usize,
+}
+
+fn default_verified_tokens() -> usize {
+    crate::auth::VERIFIED_TOKENS
 }
 
 #[derive(Debug, Clone, Deserialize)]

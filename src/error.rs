@@ -5,7 +5,6 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::{json, Map, Value};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -119,34 +118,46 @@ impl From<sqlx::Error> for AppError {
     }
 }
 
+/// The documented error shape, serialized as is: no map is built per answer.
+#[derive(serde::Serialize)]
+struct ErrorBody<'a> {
+    code: &'static str,
+    message: std::borrow::Cow<'a, str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reservation_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    limit: Option<usize>,
+}
+
 impl IntoResponse for AppError {
     fn into_response(self) -> Response {
         let status = self.status();
-        let mut body = Map::new();
-        body.insert("code".into(), Value::from(self.code()));
         let message = match &self {
             AppError::Internal(err) => {
                 tracing::error!(error = ?err, "internal error");
-                "internal error".to_owned()
+                "internal error".into()
             }
-            other => other.to_string(),
+            other => other.to_string().into(),
         };
-        body.insert("message".into(), Value::from(message));
+        let mut body = ErrorBody {
+            code: self.code(),
+            message,
+            reservation_id: None,
+            limit: None,
+        };
         let mut retry_after = None;
         match &self {
             AppError::AlreadyReserved { reservation_id } => {
-                body.insert("reservation_id".into(), json!(reservation_id));
+                body.reservation_id = Some(reservation_id);
             }
             AppError::RateLimited { retry_after_secs } => {
                 retry_after = Some((*retry_after_secs).max(1));
             }
             AppError::Paused | AppError::Unavailable(_) => retry_after = Some(1),
-            AppError::PayloadTooLarge { limit } => {
-                body.insert("limit".into(), json!(limit));
-            }
+            AppError::PayloadTooLarge { limit } => body.limit = Some(*limit),
             _ => {}
         }
-        let mut response = (status, Json(Value::Object(body))).into_response();
+        let mut response = (status, Json(body)).into_response();
         if let Some(secs) = retry_after {
             response
                 .headers_mut()

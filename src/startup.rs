@@ -98,7 +98,8 @@ impl Application {
         let auth = Auth::new(
             settings.auth.admin_token.clone(),
             &settings.auth.user_token_secret,
-        )?;
+        )?
+        .with_verified_tokens(settings.auth.verified_tokens);
         let listener = TcpListener::bind(&settings.server.addr)
             .await
             .with_context(|| format!("failed to bind {}", settings.server.addr))?;

@@ -15,6 +15,10 @@ use std::time::Duration;
 use clap::Parser;
 use flashsale_bench::server::{self, RateLimitMode, ServerOptions, StrategyKind};
 
+/// The allocator of the `flashsale` binary, so every strategy runs on the same.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "bench-server",
