@@ -18,7 +18,7 @@ pub fn flood(md: &mut String, f: &FloodSection) {
         "`{}`, {} thread, {} connections, rate limits off, {} users each with a token of their own \
          (the requests are built once and sent in turn). CPU is the server process's own (user + \
          system, all threads, from `/proc`) divided by the requests; Redis commands are \
-         `total_commands_processed` over the same run.\n",
+         `total_commands_processed` over the same run (the commands a script runs count too).\n",
         f.wrk,
         f.threads,
         f.connections,
