@@ -42,8 +42,11 @@ pub struct Auth {
 /// Bounded: emptied when full.
 struct Verified {
     capacity: usize,
-    tokens: Mutex<HashMap<Box<str>, (Arc<str>, i64)>>,
+    /// Token → (user id, expiry in seconds since the epoch).
+    tokens: Mutex<HashMap<Box<str>, VerifiedUser>>,
 }
+
+type VerifiedUser = (Arc<str>, i64);
 
 /// Tokens kept verified by default: a flood's users, each clicking again.
 pub const VERIFIED_TOKENS: usize = 100_000;
