@@ -25,7 +25,7 @@ cd "$(dirname -- "${BASH_SOURCE[0]}")/.."
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
     sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"
     cargo build --release --locked -p flashsale-bench -q
-    exec ./target/release/compare --help
+    exec "${CARGO_TARGET_DIR:-target}"/release/compare --help
 fi
 
 scripts/services.sh
@@ -46,7 +46,7 @@ done
 mkdir -p "$out"
 rm -f "$out"/*.png
 
-./target/release/compare --repo . --out "$out" "$@"
+"${CARGO_TARGET_DIR:-target}"/release/compare --repo . --out "$out" "$@"
 
 # Plots: matplotlib in a virtualenv of our own, so the system Python stays as it is.
 venv=.run/bench-venv

@@ -12,7 +12,7 @@ cd "$(dirname -- "${BASH_SOURCE[0]}")/.."
 
 scripts/tools.sh >/dev/null
 cargo build --locked -q --bin flashsale
-bin=target/debug/flashsale
+bin="${CARGO_TARGET_DIR:-target}/debug/flashsale"
 st=.run/tools-venv/bin/st
 
 id="fuzz$(date +%s)$RANDOM"

@@ -8,8 +8,8 @@ cd "$(dirname -- "${BASH_SOURCE[0]}")/.."
 
 scripts/services.sh
 cargo build --release --locked
-./target/release/flashsale migrate
+"${CARGO_TARGET_DIR:-target}"/release/flashsale migrate
 # The local broker is tansu, whose idempotent-producer support is broken (see
 # config/test.toml); the consumer absorbs duplicates.
 export FLASHSALE__KAFKA__IDEMPOTENCE="${FLASHSALE__KAFKA__IDEMPOTENCE:-false}"
-exec ./target/release/flashsale serve
+exec "${CARGO_TARGET_DIR:-target}"/release/flashsale serve

@@ -48,7 +48,7 @@ if [[ $# -eq 0 ]]; then
         fi
     done
     echo "== the OpenAPI document, linted, and the running API fuzzed against it (schemathesis)"
-    if target/debug/flashsale openapi >"$log.openapi.json" \
+    if "${CARGO_TARGET_DIR:-target}"/debug/flashsale openapi >"$log.openapi.json" \
         && .run/tools-venv/bin/openapi-spec-validator "$log.openapi.json"; then
         passed=$((passed + 1))
     else
