@@ -82,6 +82,8 @@ async fn environment(base: &Settings, tag: &str) -> anyhow::Result<Env> {
         ends_at: now + chrono::Duration::hours(1),
         payment_timeout_secs: 900,
         stock_shards: 1,
+        admission: flashsale::activity::Admission::Open,
+        waiting_room_secs: 600,
     }
     .validate()
     .map_err(|e| anyhow::anyhow!("{e}"))?;

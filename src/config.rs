@@ -28,6 +28,27 @@ pub struct Settings {
     pub consumer: ConsumerSettings,
     pub orders: OrdersSettings,
     pub reconcile: ReconcileSettings,
+    #[serde(default)]
+    pub waiting_room: WaitingRoomSettings,
+}
+
+/// Waiting rooms (activities with `"admission": "waiting_room"`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct WaitingRoomSettings {
+    /// How long an admitted user has to reserve before the turn goes to the next.
+    pub turn_secs: u64,
+    /// How often each instance admits (and draws, once due).
+    pub tick_ms: u64,
+}
+
+impl Default for WaitingRoomSettings {
+    fn default() -> Self {
+        WaitingRoomSettings {
+            turn_secs: 60,
+            tick_ms: 100,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -240,6 +261,9 @@ impl Settings {
         }
         if self.orders.sweep_interval_secs == 0 || self.reconcile.interval_secs == 0 {
             bail!("orders.sweep_interval_secs and reconcile.interval_secs must be positive");
+        }
+        if self.waiting_room.turn_secs == 0 || self.waiting_room.tick_ms == 0 {
+            bail!("waiting_room.turn_secs and waiting_room.tick_ms must be positive");
         }
         if self.consumer.batch_size == 0 {
             bail!("consumer.batch_size must be at least 1");

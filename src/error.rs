@@ -41,6 +41,9 @@ pub enum AppError {
     /// 403 `ended`: the activity's window has closed.
     #[error("the sale has ended")]
     Ended,
+    /// 403 `not_admitted`: the sale has a waiting room and this user holds no turn.
+    #[error("not admitted: join the waiting room (POST /flash/{{sku}}/queue) and reserve when your turn comes")]
+    NotAdmitted,
     /// 429 `rate_limited` with `Retry-After`.
     #[error("too many requests, retry in {retry_after_secs} s")]
     RateLimited { retry_after_secs: u64 },
@@ -68,7 +71,7 @@ impl AppError {
             | AppError::AlreadyReserved { .. }
             | AppError::SoldOut
             | AppError::Expired => StatusCode::CONFLICT,
-            AppError::NotStarted | AppError::Ended => StatusCode::FORBIDDEN,
+            AppError::NotStarted | AppError::Ended | AppError::NotAdmitted => StatusCode::FORBIDDEN,
             AppError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             AppError::Paused | AppError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             AppError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -88,6 +91,7 @@ impl AppError {
             AppError::Expired => "expired",
             AppError::NotStarted => "not_started",
             AppError::Ended => "ended",
+            AppError::NotAdmitted => "not_admitted",
             AppError::RateLimited { .. } => "rate_limited",
             AppError::Paused => "paused",
             AppError::Unavailable(_) => "unavailable",

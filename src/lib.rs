@@ -18,3 +18,4 @@ pub mod startup;
 pub mod state;
 pub mod stock;
 pub mod telemetry;
+pub mod waiting_room;

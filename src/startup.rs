@@ -29,6 +29,7 @@ use crate::reconcile::{Reconciler, Report};
 use crate::state::{AppState, Inner};
 use crate::stock::{RedisConn, StockStore};
 use crate::telemetry;
+use crate::waiting_room::WaitingRoom;
 
 pub struct Application {
     listener: TcpListener,
@@ -105,6 +106,7 @@ impl Application {
             .with_context(|| format!("failed to bind {}", settings.server.addr))?;
         let port = listener.local_addr().context("no local address")?.port();
         let limiters = RateLimiters::new(&settings.rate_limit);
+        let waiting_room = WaitingRoom::new(redis.clone(), pool.clone());
         let stock = StockStore::new(redis).with_replica_barrier(
             replica_barrier(&settings.redis).await?,
             settings.redis.min_replicas_acked,
@@ -126,6 +128,7 @@ impl Application {
             cache,
             orders,
             stock,
+            waiting_room,
             publisher,
             auth,
             reconciler,
@@ -180,6 +183,7 @@ impl Application {
         background.spawn(prune_rate_limiters(limiters.clone(), shutdown.clone()));
         background.spawn(metrics_upkeep(state.clone(), shutdown.clone()));
         background.spawn(state.stock.clone().run_sold_out_gate(shutdown.clone()));
+        background.spawn(crate::waiting_room::run(state.clone(), shutdown.clone()));
         spawn_workers(&state, &background, &shutdown)?;
 
         let app = http::router(state.clone(), &limiters);

@@ -16,6 +16,7 @@ use crate::orders::OrderRepo;
 use crate::queue::Publisher;
 use crate::reconcile::Reconciler;
 use crate::stock::StockStore;
+use crate::waiting_room::WaitingRoom;
 
 #[derive(Clone)]
 pub struct AppState(Arc<Inner>);
@@ -27,6 +28,7 @@ pub struct Inner {
     pub cache: ActivityCache,
     pub orders: OrderRepo,
     pub stock: StockStore,
+    pub waiting_room: WaitingRoom,
     pub publisher: Publisher,
     pub auth: Auth,
     pub reconciler: Reconciler,

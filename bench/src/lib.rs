@@ -18,14 +18,15 @@
 //! - [`process`] and [`context`]: the child processes, and what every section shares;
 //! - the sections: [`ceiling`] (Redis and the broker alone), [`strategies`] (side
 //!   by side), [`flood`] (wrk, CPU per request by phase), [`gate`] (the sold-out
-//!   gate reopening), [`producer`] (the producer's settings), [`cluster`] (the hot
-//!   SKU on a Redis Cluster);
+//!   gate reopening), [`producer`] (the producer's settings), [`fairness`] (bots
+//!   against the waiting room), [`cluster`] (the hot SKU on a Redis Cluster);
 //! - [`suite`]: the comparison, section after section; [`report`]: its markdown.
 
 pub mod ceiling;
 pub mod client;
 pub mod cluster;
 pub mod context;
+pub mod fairness;
 pub mod flood;
 pub mod gate;
 pub mod loadgen;

@@ -80,6 +80,9 @@ pub struct Summary {
     /// The producer's settings against the broker (`None`: skipped).
     #[serde(default)]
     pub producer: Option<ProducerSection>,
+    /// Bots among the winners, open and through the waiting room (`None`: skipped).
+    #[serde(default)]
+    pub fairness: Option<FairnessSection>,
 }
 
 impl Summary {
@@ -236,4 +239,28 @@ pub struct ProducerSection {
     /// The default the other rows change one setting of.
     pub default: String,
     pub runs: Vec<ProducerRun>,
+}
+
+/// One mode of the fairness section.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FairnessRun {
+    /// `open` or `waiting room`.
+    pub mode: String,
+    pub winners: usize,
+    pub bot_winners: usize,
+    /// Seconds after the start when the last user knew their outcome.
+    pub last_outcome_after_s: f64,
+    /// HTTP requests every client sent (joins, places, reserves, payments).
+    pub requests: u64,
+    /// Commands Redis processed meanwhile (the commands a script runs count too).
+    pub redis_commands: u64,
+}
+
+/// The same sale, `open` and through the waiting room, with bots among the users.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FairnessSection {
+    pub users: usize,
+    pub bots: usize,
+    pub units: u32,
+    pub runs: Vec<FairnessRun>,
 }

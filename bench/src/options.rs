@@ -99,6 +99,10 @@ pub struct SuiteOptions {
     /// the broker, one setting changed at a time); 0 skips the section.
     #[arg(long, default_value_t = 3.0)]
     pub producer_duration: f64,
+    /// Users of the fairness section (a tenth of them bots, 100 units), sold open
+    /// and through the waiting room; 0 skips the section.
+    #[arg(long, default_value_t = 1_000)]
+    pub fairness_users: usize,
     /// Rate-limit layers of every server: off, or on with buckets that never refuse.
     #[arg(long, value_enum, default_value = "off")]
     pub rate_limits: RateLimitMode,

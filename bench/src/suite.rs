@@ -7,7 +7,8 @@
 //! 3. the strategies side by side ([`crate::strategies`]);
 //! 4. the flood measured with `wrk` and the CPU per request ([`crate::flood`]), the
 //!    sold-out gate reopening across instances ([`crate::gate`]), the producer's
-//!    settings ([`crate::producer`]) and the hot SKU on a Redis Cluster
+//!    settings ([`crate::producer`]), bots among the winners with and without the
+//!    waiting room ([`crate::fairness`]) and the hot SKU on a Redis Cluster
 //!    ([`crate::cluster`]);
 //! 5. the summary (JSON) and the markdown report ([`crate::report`]).
 //!
@@ -145,6 +146,11 @@ async fn sections(
     } else {
         None
     };
+    let fairness = if opts.fairness_users > 0 {
+        Some(crate::fairness::section(bench).await?)
+    } else {
+        None
+    };
     let cluster = if opts.cluster_units > 0 {
         Some(crate::cluster::section(bench).await?)
     } else {
@@ -166,6 +172,7 @@ async fn sections(
         flood,
         gate,
         producer,
+        fairness,
     })
 }
 

@@ -88,6 +88,21 @@ impl ActivityCache {
             .collect()
     }
 
+    /// Activities with a waiting room that is open to joiners, or whose sale has
+    /// not ended for more than an hour.
+    pub fn waiting_rooms(&self, now: DateTime<Utc>) -> Vec<Arc<Activity>> {
+        self.current()
+            .by_id
+            .values()
+            .filter(|a| {
+                a.admission == super::Admission::WaitingRoom
+                    && a.joins_from() <= now
+                    && a.ends_at + chrono::Duration::hours(1) > now
+            })
+            .cloned()
+            .collect()
+    }
+
     pub fn by_id(&self, id: &str) -> Option<Arc<Activity>> {
         self.current().by_id.get(id).cloned()
     }

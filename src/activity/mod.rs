@@ -23,6 +23,11 @@ pub struct Activity {
     pub per_user_limit: u32,
     /// How many hash tags its Redis stock is split over (1 to `MAX_STOCK_SHARDS`).
     pub stock_shards: u8,
+    /// First come, first served (`open`), or through the waiting room.
+    #[sqlx(try_from = "String")]
+    pub admission: Admission,
+    /// With a waiting room: users may join this many seconds before `starts_at`.
+    pub waiting_room_secs: u32,
     pub starts_at: DateTime<Utc>,
     pub ends_at: DateTime<Utc>,
     pub payment_timeout_secs: u32,
@@ -36,6 +41,38 @@ pub struct Activity {
     pub created_at: DateTime<Utc>,
 }
 
+/// How an activity's buyers get to reserve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Admission {
+    /// First come, first served: whoever reaches Redis first.
+    Open,
+    /// Users join before the start, are drawn in a random order at the start and
+    /// admitted as the stock allows (`/flash/{sku}/queue`).
+    WaitingRoom,
+}
+
+impl Admission {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Admission::Open => "open",
+            Admission::WaitingRoom => "waiting_room",
+        }
+    }
+}
+
+impl TryFrom<String> for Admission {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        match s.as_str() {
+            "open" => Ok(Admission::Open),
+            "waiting_room" => Ok(Admission::WaitingRoom),
+            other => Err(format!("unknown admission {other}")),
+        }
+    }
+}
+
 /// Where an activity stands in time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Window {
@@ -45,6 +82,11 @@ pub enum Window {
 }
 
 impl Activity {
+    /// When users may start joining the waiting room.
+    pub fn joins_from(&self) -> DateTime<Utc> {
+        self.starts_at - chrono::Duration::seconds(i64::from(self.waiting_room_secs))
+    }
+
     pub fn window(&self, now: DateTime<Utc>) -> Window {
         if now < self.starts_at {
             Window::Upcoming
@@ -92,7 +134,28 @@ pub struct NewActivity {
     )]
     #[schema(minimum = 1, maximum = 64)]
     pub stock_shards: i64,
+    /// `open` (first come, first served) or `waiting_room`.
+    #[serde(default = "default_admission")]
+    pub admission: Admission,
+    /// With a waiting room: how long before `starts_at` users may join.
+    #[serde(
+        default = "default_waiting_room_secs",
+        deserialize_with = "crate::http::whole_i64"
+    )]
+    #[schema(minimum = 0, maximum = 604_800)]
+    pub waiting_room_secs: i64,
 }
+
+fn default_admission() -> Admission {
+    Admission::Open
+}
+
+fn default_waiting_room_secs() -> i64 {
+    600
+}
+
+/// Longest a waiting room may open before its sale: one week.
+pub const MAX_WAITING_ROOM_SECS: i64 = 7 * 24 * 3600;
 
 fn default_stock_shards() -> i64 {
     1
@@ -122,6 +185,8 @@ pub struct ValidActivity {
     pub stock: u32,
     pub per_user_limit: u32,
     pub stock_shards: u8,
+    pub admission: Admission,
+    pub waiting_room_secs: u32,
     pub starts_at: DateTime<Utc>,
     pub ends_at: DateTime<Utc>,
     pub payment_timeout_secs: u32,
@@ -191,6 +256,11 @@ impl NewActivity {
                 "stock_shards must be between 1 and {MAX_STOCK_SHARDS}"
             )));
         }
+        if !(0..=MAX_WAITING_ROOM_SECS).contains(&self.waiting_room_secs) {
+            return Err(AppError::invalid(format!(
+                "waiting_room_secs must be between 0 and {MAX_WAITING_ROOM_SECS}"
+            )));
+        }
         // The ranges above were checked, so these conversions cannot fail.
         let to_u32 = |v: i64| u32::try_from(v).map_err(|_| AppError::invalid("value out of range"));
         Ok(ValidActivity {
@@ -200,6 +270,8 @@ impl NewActivity {
             per_user_limit: to_u32(self.per_user_limit)?,
             stock_shards: u8::try_from(self.stock_shards)
                 .map_err(|_| AppError::invalid("value out of range"))?,
+            admission: self.admission,
+            waiting_room_secs: to_u32(self.waiting_room_secs)?,
             // MySQL DATETIME(3) keeps milliseconds; truncate now so that what we
             // answer equals what we store.
             starts_at: truncate_ms(self.starts_at),
@@ -228,6 +300,8 @@ mod tests {
             ends_at: now + chrono::Duration::hours(1),
             payment_timeout_secs: 900,
             stock_shards: 1,
+            admission: Admission::Open,
+            waiting_room_secs: 600,
         }
     }
 

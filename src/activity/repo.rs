@@ -9,8 +9,11 @@ use crate::stock::Build;
 // Times are bound as DATETIME (`naive_utc`), the columns' type: bound as a
 // TIMESTAMP, MariaDB turns anything past 2038-01-19 into NULL.
 
-const COLUMNS: &str = "id, sku, stock, available, per_user_limit, stock_shards, starts_at, \
-                       ends_at, payment_timeout_secs, paused, auto_paused, redis_epoch, created_at";
+// `admission` is an ENUM column, read as text.
+const COLUMNS: &str = "id, sku, stock, available, per_user_limit, stock_shards, \
+                       CAST(admission AS CHAR) AS admission, \
+                       waiting_room_secs, starts_at, ends_at, payment_timeout_secs, paused, \
+                       auto_paused, redis_epoch, created_at";
 
 /// Why a top-up was refused.
 #[derive(Debug, thiserror::Error)]
@@ -83,9 +86,9 @@ impl ActivityRepo {
         }
         let inserted = sqlx::query(
             "INSERT INTO activities \
-             (id, sku, stock, available, per_user_limit, stock_shards, starts_at, ends_at, \
-              payment_timeout_secs) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             (id, sku, stock, available, per_user_limit, stock_shards, admission, \
+              waiting_room_secs, starts_at, ends_at, payment_timeout_secs) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&a.id)
         .bind(&a.sku)
@@ -93,6 +96,8 @@ impl ActivityRepo {
         .bind(a.stock)
         .bind(a.per_user_limit)
         .bind(a.stock_shards)
+        .bind(a.admission.as_str())
+        .bind(a.waiting_room_secs)
         .bind(a.starts_at.naive_utc())
         .bind(a.ends_at.naive_utc())
         .bind(a.payment_timeout_secs)

@@ -313,6 +313,16 @@ async fn describe(state: &AppState, activity: &Activity) -> AppResult<Value> {
             "dead_letters_seen".into(),
             json!(crate::orders::dead_letters_seen()),
         );
+        if activity.admission == crate::activity::Admission::WaitingRoom {
+            let room = match state.waiting_room.figures(activity).await {
+                Ok(f) => json!(f),
+                Err(err) => {
+                    tracing::warn!(error = %err, "waiting room figures failed");
+                    json!({ "error": "stock store unreachable" })
+                }
+            };
+            map.insert("waiting_room".into(), room);
+        }
     }
     let mut out = serde_json::to_value(activity)
         .map_err(|e| AppError::Internal(anyhow::Error::new(e).context("serialising activity")))?;

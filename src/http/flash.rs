@@ -11,13 +11,14 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use super::body;
-use crate::activity::{is_valid_sku, Activity, Window};
+use crate::activity::{is_valid_sku, Activity, Admission, Window};
 use crate::auth::User;
 use crate::error::{AppError, AppResult};
 use crate::orders::{Decision, Incoming, OrderStatus, OrderWriter};
 use crate::queue::ReservationMessage;
 use crate::state::AppState;
 use crate::stock::{FateChange, RefundMode, ReserveOutcome};
+use crate::waiting_room::Place;
 
 fn activity_for(state: &AppState, sku: &str, now: DateTime<Utc>) -> AppResult<Arc<Activity>> {
     if !is_valid_sku(sku) {
@@ -131,7 +132,7 @@ fn parse_quantity(bytes: &[u8]) -> AppResult<u32> {
     responses(
         (status = 202, description = "Stock is held and the order is being created: it will be an order", body = Reserved),
         (status = 401, description = "unauthorized: no valid user token", body = crate::http::openapi::ErrorBody),
-        (status = 403, description = "not_started or ended: outside the activity's window", body = crate::http::openapi::ErrorBody),
+        (status = 403, description = "not_started or ended: outside the activity's window; not_admitted: the sale has a waiting room and this user holds no turn", body = crate::http::openapi::ErrorBody),
         (status = 404, description = "not_found: no sale for this SKU", body = crate::http::openapi::ErrorBody),
         (status = 409, description = "already_reserved (with reservation_id) or sold_out", body = crate::http::openapi::ErrorBody),
         (status = 413, description = "payload_too_large", body = crate::http::openapi::ErrorBody),
@@ -169,9 +170,20 @@ pub async fn reserve(
     if state.stock.sold_out_from_memory(&activity.id, &user.id) {
         return Err(count(AppError::SoldOut));
     }
+    let waiting_room = activity.admission == Admission::WaitingRoom;
+    if waiting_room
+        && !state
+            .waiting_room
+            .may_reserve(&activity, &user.id, now)
+            .await
+            .map_err(|e| room_down(&e))?
+    {
+        return Err(count(AppError::NotAdmitted));
+    }
     // From here on, stock may be held: run the rest as its own task so that a
     // client hanging up (or the request timeout) cannot stop it half-way between
     // Redis and Kafka. Shutdown waits for these tasks.
+    let turn = waiting_room.then(|| (activity.clone(), user.clone()));
     let task_state = state.clone();
     let handle = state.critical.spawn(async move {
         reserve_and_publish(&task_state, &activity, &user, quantity, now).await
@@ -179,6 +191,9 @@ pub async fn reserve(
     let result = handle
         .await
         .map_err(|e| AppError::Internal(anyhow::Error::new(e).context("reserve task failed")))?;
+    if let Some((activity, user)) = &turn {
+        settle_turn(&state, activity, user, &result).await;
+    }
     match result {
         Ok(reserved) => {
             metrics::counter!("flashsale_reservations_total", "outcome" => "reserved").increment(1);
@@ -186,6 +201,201 @@ pub async fn reserve(
         }
         Err(err) => Err(count(err)),
     }
+}
+
+/// Ends an admitted user's turn once the reserve script has decided: the next
+/// user in line gets it. A turn whose reserve failed otherwise (Redis or the
+/// broker unreachable) stays, to be tried again within it.
+async fn settle_turn(
+    state: &AppState,
+    activity: &Activity,
+    user: &User,
+    result: &AppResult<Reserved>,
+) {
+    let outcome = match result {
+        Ok(_) | Err(AppError::AlreadyReserved { .. }) => "reserved",
+        Err(AppError::SoldOut) => "sold_out",
+        Err(_) => return,
+    };
+    if let Err(err) = state.waiting_room.settle(activity, &user.id, outcome).await {
+        tracing::warn!(error = %err, activity_id = %activity.id, "settling a turn failed; it runs out by itself");
+    }
+}
+
+fn room_down(err: &redis::RedisError) -> AppError {
+    tracing::warn!(error = %err, "waiting room unreachable");
+    AppError::Unavailable("stock store unreachable")
+}
+
+/// A user's ticket and place in a sale's waiting room.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct QueuePlace {
+    ticket: String,
+    /// `waiting`, `admitted`, `sold_out` or `expired`.
+    state: &'static str,
+    /// Place in line, 1 first (once the draw has placed the user).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    position: Option<u64>,
+    /// Users in line before this one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ahead: Option<u64>,
+    /// Admitted: reserve before this time, or the turn goes to the next user.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    admitted_until: Option<DateTime<Utc>>,
+}
+
+impl QueuePlace {
+    fn of(place: Place) -> Option<QueuePlace> {
+        let empty = |ticket: String, state| QueuePlace {
+            ticket,
+            state,
+            position: None,
+            ahead: None,
+            admitted_until: None,
+        };
+        Some(match place {
+            Place::None => return None,
+            Place::Waiting { ticket, ahead } => QueuePlace {
+                position: ahead.map(|a| a + 1),
+                ahead,
+                ..empty(ticket, "waiting")
+            },
+            Place::Admitted { ticket, until } => QueuePlace {
+                admitted_until: until,
+                ..empty(ticket, "admitted")
+            },
+            Place::SoldOut { ticket } => empty(ticket, "sold_out"),
+            Place::Expired { ticket } => empty(ticket, "expired"),
+        })
+    }
+
+    /// How long a waiting client should wait before asking again: until the
+    /// start before the draw, then longer the further back it stands.
+    fn retry_after(&self, activity: &Activity, now: DateTime<Utc>) -> Option<u64> {
+        if self.state != "waiting" {
+            return None;
+        }
+        Some(match self.ahead {
+            None => (activity.starts_at - now).num_seconds().clamp(1, 30) as u64,
+            Some(a) if a < 100 => 1,
+            Some(a) if a < 1_000 => 2,
+            Some(_) => 5,
+        })
+    }
+}
+
+/// The activity of a sale with a waiting room.
+fn room_for(state: &AppState, sku: &str, now: DateTime<Utc>) -> AppResult<Arc<Activity>> {
+    let activity = activity_for(state, sku, now)?;
+    if activity.admission != Admission::WaitingRoom {
+        return Err(AppError::not_found(
+            "this sale has no waiting room: reserve directly",
+        ));
+    }
+    Ok(activity)
+}
+
+fn with_retry_after(
+    status: StatusCode,
+    place: QueuePlace,
+    activity: &Activity,
+    now: DateTime<Utc>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let retry = place.retry_after(activity, now);
+    let mut response = (status, Json(place)).into_response();
+    if let Some(secs) = retry {
+        response.headers_mut().insert(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from(secs),
+        );
+    }
+    response
+}
+
+#[utoipa::path(
+    post,
+    path = "/flash/{sku}/queue",
+    tag = "users",
+    security(("user" = [])),
+    params(("sku" = String, Path, description = "The SKU on sale")),
+    responses(
+        (status = 201, description = "Joined: waiting (with Retry-After)", body = QueuePlace),
+        (status = 200, description = "Joined before: the same ticket, and the place now", body = QueuePlace),
+        (status = 401, description = "unauthorized: no valid user token", body = crate::http::openapi::ErrorBody),
+        (status = 403, description = "not_started: the room opens waiting_room_secs before the start; ended", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found: no sale for this SKU, or it has no waiting room", body = crate::http::openapi::ErrorBody),
+        (status = 429, description = "rate_limited, with Retry-After", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable, with Retry-After", body = crate::http::openapi::ErrorBody),
+    )
+)]
+/// `POST /flash/{sku}/queue`: joins the sale's waiting room, once.
+pub async fn join_queue(
+    State(state): State<AppState>,
+    Path(sku): Path<String>,
+    Extension(user): Extension<User>,
+) -> AppResult<axum::response::Response> {
+    let now = Utc::now();
+    let activity = room_for(&state, &sku, now)?;
+    if now < activity.joins_from() {
+        return Err(AppError::NotStarted);
+    }
+    if activity.window(now) == Window::Ended {
+        return Err(AppError::Ended);
+    }
+    let (_, joined_now) = state
+        .waiting_room
+        .join(&activity, &user.id, now)
+        .await
+        .map_err(|e| room_down(&e))?;
+    if joined_now {
+        metrics::counter!("flashsale_waiting_room_joins_total").increment(1);
+    }
+    let place = state
+        .waiting_room
+        .place(&activity, &user.id, now)
+        .await
+        .map_err(|e| room_down(&e))?;
+    let place =
+        QueuePlace::of(place).ok_or(AppError::Unavailable("the waiting room lost the join"))?;
+    let status = if joined_now {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok(with_retry_after(status, place, &activity, now))
+}
+
+#[utoipa::path(
+    get,
+    path = "/flash/{sku}/queue",
+    tag = "users",
+    security(("user" = [])),
+    params(("sku" = String, Path, description = "The SKU on sale")),
+    responses(
+        (status = 200, description = "The user's place: waiting (with Retry-After), admitted, sold_out or expired", body = QueuePlace),
+        (status = 401, description = "unauthorized: no valid user token", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found: no such sale or waiting room, or the user never joined", body = crate::http::openapi::ErrorBody),
+        (status = 429, description = "rate_limited, with Retry-After", body = crate::http::openapi::ErrorBody),
+        (status = 503, description = "unavailable, with Retry-After", body = crate::http::openapi::ErrorBody),
+    )
+)]
+/// `GET /flash/{sku}/queue`: the user's place, in one Redis round trip.
+pub async fn queue_status(
+    State(state): State<AppState>,
+    Path(sku): Path<String>,
+    Extension(user): Extension<User>,
+) -> AppResult<axum::response::Response> {
+    let now = Utc::now();
+    let activity = room_for(&state, &sku, now)?;
+    let place = state
+        .waiting_room
+        .place(&activity, &user.id, now)
+        .await
+        .map_err(|e| room_down(&e))?;
+    let place = QueuePlace::of(place)
+        .ok_or_else(|| AppError::not_found("this user has not joined the waiting room"))?;
+    Ok(with_retry_after(StatusCode::OK, place, &activity, now))
 }
 
 /// Counts every refused reservation by its code.

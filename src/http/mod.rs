@@ -57,6 +57,10 @@ pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
     let mut user_routes = Router::new()
         .route("/flash/{sku}/reserve", post(flash::reserve))
         .route("/flash/{sku}/reservation", get(flash::reservation))
+        .route(
+            "/flash/{sku}/queue",
+            post(flash::join_queue).get(flash::queue_status),
+        )
         .route("/orders/{order_id}/pay", post(orders::pay));
     if let Some(per_user) = limiters.per_user_layer() {
         user_routes = user_routes.layer(per_user);

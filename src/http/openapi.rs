@@ -30,6 +30,8 @@ pub struct ErrorBody {
         super::flash::status,
         super::flash::reserve,
         super::flash::reservation,
+        super::flash::join_queue,
+        super::flash::queue_status,
         super::orders::pay,
         super::admin::create,
         super::admin::list,

@@ -176,5 +176,25 @@ async fn record_activities(state: &AppState) -> redis::RedisResult<()> {
             },
         );
     }
+    for a in state.cache.waiting_rooms(chrono::Utc::now()) {
+        let f = state.waiting_room.figures(&a).await?;
+        let id = a.id.clone();
+        for (name, value) in [
+            ("flashsale_waiting_room_joined", f.joined),
+            ("flashsale_waiting_room_waiting", f.waiting),
+            ("flashsale_waiting_room_admitted", f.admitted),
+            ("flashsale_waiting_room_turns_given", f.admitted_total),
+            ("flashsale_waiting_room_turns_expired", f.expired_total),
+        ] {
+            metrics::gauge!(name, "activity_id" => id.clone()).set(value as f64);
+        }
+        metrics::gauge!("flashsale_waiting_room_draw_seed", "activity_id" => id.clone())
+            .set(f.seed.map_or(-1.0, |s| s as f64));
+        metrics::gauge!("flashsale_waiting_room_closed", "activity_id" => id).set(if f.closed {
+            1.0
+        } else {
+            0.0
+        });
+    }
     Ok(())
 }

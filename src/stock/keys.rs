@@ -98,6 +98,59 @@ impl Keys {
     }
 }
 
+/// A waiting room's keys (`src/waiting_room`), in the hash tag of the activity's
+/// shard 0, so each of its scripts runs in one slot, on a Cluster too.
+#[derive(Debug, Clone)]
+pub struct RoomKeys {
+    /// Users who joined before the start: user → arrival number.
+    pub joined: String,
+    /// Users who joined at or after the start: user → arrival number.
+    pub late: String,
+    /// The last arrival number given.
+    pub seq: String,
+    /// After the draw, users still waiting: user → place (drawn, then late).
+    pub queue: String,
+    /// Users admitted and not yet settled: user → admitted until (ms).
+    pub admitted: String,
+    /// Settled turns: user → `reserved`, `expired` or `sold_out`.
+    pub outcome: String,
+    /// The draw (`seed`, `drawn`), `closed`, and the `admitted` and `expired` totals.
+    pub meta: String,
+}
+
+impl RoomKeys {
+    pub fn new(activity_id: &str, shards: u8) -> Self {
+        let home = Keys::shard(activity_id, shards, 0);
+        let base = home
+            .stock
+            .strip_suffix(":stock")
+            .unwrap_or(&home.stock)
+            .to_owned();
+        let key = |name: &str| format!("{base}:wr:{name}");
+        RoomKeys {
+            joined: key("joined"),
+            late: key("late"),
+            seq: key("seq"),
+            queue: key("queue"),
+            admitted: key("admitted"),
+            outcome: key("outcome"),
+            meta: key("meta"),
+        }
+    }
+
+    pub fn all(&self) -> [&str; 7] {
+        [
+            &self.joined,
+            &self.late,
+            &self.seq,
+            &self.queue,
+            &self.admitted,
+            &self.outcome,
+            &self.meta,
+        ]
+    }
+}
+
 /// The hash tag of shard `k`: `<id>#<k>-<salt>`, whose slot lies in the
 /// `(slot(id) / range + k) mod K`-th of K equal slot ranges.
 fn spread_tag(activity_id: &str, shards: u8, k: u8) -> String {

@@ -18,10 +18,12 @@ use std::time::{Duration, Instant};
 use redis::{AsyncCommands, RedisResult, Script};
 
 pub use conn::RedisConn;
-pub use keys::{deal, home_shard, is_valid_reservation_id, new_reservation_id, shard_of, Keys};
+pub use keys::{
+    deal, home_shard, is_valid_reservation_id, new_reservation_id, shard_of, Keys, RoomKeys,
+};
 
 /// One script argument, encoded as Redis would.
-fn arg<T: redis::ToRedisArgs>(value: T) -> Vec<u8> {
+pub(crate) fn arg<T: redis::ToRedisArgs>(value: T) -> Vec<u8> {
     value.to_redis_args().concat()
 }
 
@@ -231,17 +233,49 @@ pub struct Build {
 
 /// A Lua script: its SHA for EVALSHA, and its text for the fallback.
 #[derive(Clone)]
-struct Lua {
+/// A Lua script, called by its SHA with the code as the fallback (`invoke`).
+pub(crate) struct Lua {
     script: Script,
     code: &'static str,
 }
 
 impl Lua {
-    fn new(code: &'static str) -> Self {
+    pub(crate) fn new(code: &'static str) -> Self {
         Lua {
             script: Script::new(code),
             code,
         }
+    }
+}
+
+/// Runs a script by its SHA; on `NOSCRIPT` (a restarted or failed-over Redis)
+/// sends its code once, which loads it again.
+pub(crate) async fn invoke<T: redis::FromRedisValue>(
+    conn: &RedisConn,
+    lua: &Lua,
+    keys: &[&str],
+    args: &[Vec<u8>],
+) -> RedisResult<T> {
+    let mut conn = conn.clone();
+    let mut invocation = lua.script.prepare_invoke();
+    for k in keys {
+        invocation.key(*k);
+    }
+    for a in args {
+        invocation.arg(a.as_slice());
+    }
+    match invocation.invoke_async(&mut conn).await {
+        Err(err) if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            metrics::counter!("flashsale_redis_script_eval_fallbacks_total").increment(1);
+            redis::cmd("EVAL")
+                .arg(lua.code)
+                .arg(keys.len())
+                .arg(keys)
+                .arg(args)
+                .query_async(&mut conn)
+                .await
+        }
+        other => other,
     }
 }
 
@@ -415,29 +449,7 @@ impl StockStore {
         keys: &[&str],
         args: &[Vec<u8>],
     ) -> RedisResult<T> {
-        let mut conn = self.conn.clone();
-        let mut invocation = lua.script.prepare_invoke();
-        for k in keys {
-            invocation.key(*k);
-        }
-        for a in args {
-            invocation.arg(a.as_slice());
-        }
-        match invocation.invoke_async(&mut conn).await {
-            Err(err)
-                if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-            {
-                metrics::counter!("flashsale_redis_script_eval_fallbacks_total").increment(1);
-                redis::cmd("EVAL")
-                    .arg(lua.code)
-                    .arg(keys.len())
-                    .arg(keys)
-                    .arg(args)
-                    .query_async(&mut conn)
-                    .await
-            }
-            other => other,
-        }
+        invoke(&self.conn, lua, keys, args).await
     }
 
     /// Reserves `quantity` units for a user, under a reservation id from

@@ -16,6 +16,7 @@ pub mod invariants;
 pub mod process;
 pub mod relay;
 pub mod sale;
+pub mod stats;
 
 use std::time::{Duration, Instant};
 

@@ -24,6 +24,9 @@ pub struct SaleSpec {
     pub stock_shards: u8,
     /// Seconds from now to `starts_at`: negative for a sale already selling.
     pub starts_in_secs: i64,
+    /// Admission through the waiting room (joinable 600 s before the start)
+    /// instead of first come, first served.
+    pub waiting_room: bool,
 }
 
 impl SaleSpec {
@@ -35,6 +38,7 @@ impl SaleSpec {
             payment_timeout_secs: 900,
             stock_shards: 1,
             starts_in_secs: -5,
+            waiting_room: false,
         }
     }
 }
@@ -60,6 +64,8 @@ pub async fn open_sale(
             "ends_at": now + chrono::Duration::hours(1),
             "payment_timeout_secs": spec.payment_timeout_secs,
             "stock_shards": spec.stock_shards,
+            "admission": if spec.waiting_room { "waiting_room" } else { "open" },
+            "waiting_room_secs": 600,
         }))
         .send()
         .await

@@ -14,3 +14,4 @@ mod reserve;
 mod shards;
 mod topup;
 mod ui;
+mod waiting_room;

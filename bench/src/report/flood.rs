@@ -1,10 +1,12 @@
 //! The flood with `wrk` and the CPU per request by phase; the sold-out gate
-//! reopening across instances; the producer's settings against the broker.
+//! reopening across instances; the producer's settings against the broker; bots
+//! among the winners with and without the waiting room.
 
 use std::fmt::Write as _;
 
 use super::format::{ms, thousands, verdict};
-use crate::model::{FloodSection, GateSection, ProducerSection};
+use crate::model::{FairnessSection, FloodSection, GateSection, ProducerSection};
+use testkit::stats::binomial_interval;
 
 /// The flood: the service's reserve route by phase against `/healthz` and the
 /// authenticated no-op, with the service's CPU and Redis's commands per request.
@@ -165,6 +167,49 @@ pub fn producer(md: &mut String, p: &ProducerSection) {
             ms(c.latency.p50_ms),
             ms(c.latency.p99_ms),
             c.failed
+        );
+    }
+    let _ = writeln!(md);
+}
+
+/// Bots among the winners, open and through the waiting room.
+pub fn fairness(md: &mut String, f: &FairnessSection) {
+    let _ = writeln!(md, "## Fairness: bots against the waiting room\n");
+    let share = f.bots as f64 / f.users.max(1) as f64;
+    let (lo, hi) = binomial_interval(f.units as usize, share, 0.01);
+    let _ = writeln!(
+        md,
+        "The same sale twice on one service: {} users want {} units; {} of them ({:.0} %) are bots \
+         that start earlier and send ten times as many requests. Every user is a client of its own: \
+         it reserves (open) or joins, asks where it stands as often as `Retry-After` says and \
+         reserves when admitted (waiting room), and pays its order. If the bots had no edge, the \
+         bots among {} winners would lie in [{lo}, {hi}] (99 % binomial interval).\n",
+        f.users,
+        f.units,
+        f.bots,
+        share * 100.0,
+        f.units
+    );
+    let _ = writeln!(
+        md,
+        "| mode | winners | bots among them | bots' share | within the 99 % interval | last user knew their outcome after | HTTP requests | Redis commands / request |\n| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"
+    );
+    for r in &f.runs {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {:.0} % | {} | {:.1} s | {} | {:.2} |",
+            r.mode,
+            r.winners,
+            r.bot_winners,
+            r.bot_winners as f64 * 100.0 / r.winners.max(1) as f64,
+            if (lo..=hi).contains(&r.bot_winners) {
+                "yes"
+            } else {
+                "**no**"
+            },
+            r.last_outcome_after_s,
+            thousands(r.requests as f64),
+            r.redis_commands as f64 / r.requests.max(1) as f64
         );
     }
     let _ = writeln!(md);

@@ -20,6 +20,9 @@ pub fn render(summary: &Summary) -> String {
     if let Some(p) = &summary.producer {
         flood::producer(&mut md, p);
     }
+    if let Some(f) = &summary.fairness {
+        flood::fairness(&mut md, f);
+    }
     if let Some(c) = &summary.cluster {
         cluster::section(&mut md, &c.plan, &c.runs);
         md.push('\n');

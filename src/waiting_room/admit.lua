@@ -1,0 +1,42 @@
+-- One admission step: turns that ran out are settled `expired`; then as many
+-- users as there are units left, minus those admitted already, are admitted in
+-- queue order. When no unit can come back any more the room closes: everyone
+-- still waiting is told `sold_out` (see status.lua).
+--
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta (see RoomKeys)
+-- ARGV[1] now (ms), ARGV[2] units left, ARGV[3] "1" when no unit can come back,
+-- ARGV[4] admitted until (ms) for those admitted now
+--
+-- Returns {admitted and unsettled, admitted now, expired now}.
+if redis.call("HEXISTS", KEYS[7], "seed") == 0 then
+  return {0, 0, 0}
+end
+local gone = redis.call("ZRANGEBYSCORE", KEYS[5], "-inf", "(" .. ARGV[1])
+for _, user in ipairs(gone) do
+  redis.call("ZREM", KEYS[5], user)
+  redis.call("HSET", KEYS[6], user, "expired")
+end
+if #gone > 0 then
+  redis.call("HINCRBY", KEYS[7], "expired", #gone)
+end
+local outstanding = redis.call("ZCARD", KEYS[5])
+if ARGV[3] == "1" then
+  redis.call("HSET", KEYS[7], "closed", "1")
+  return {outstanding, 0, #gone}
+end
+if redis.call("HEXISTS", KEYS[7], "closed") == 1 then
+  return {outstanding, 0, #gone}
+end
+local room = tonumber(ARGV[2]) - outstanding
+local admitted = 0
+if room > 0 then
+  local next = redis.call("ZPOPMIN", KEYS[4], room)
+  for i = 1, #next, 2 do
+    redis.call("ZADD", KEYS[5], ARGV[4], next[i])
+    admitted = admitted + 1
+  end
+  if admitted > 0 then
+    redis.call("HINCRBY", KEYS[7], "admitted", admitted)
+  end
+end
+return {outstanding + admitted, admitted, #gone}

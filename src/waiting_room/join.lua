@@ -1,0 +1,23 @@
+-- A user joins the waiting room: once, whatever the retries.
+--
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta (see RoomKeys)
+-- ARGV[1] user id, ARGV[2] now (ms), ARGV[3] starts_at (ms), ARGV[4] the place
+--         offset of late joiners (behind every drawn place)
+--
+-- Returns {1, ticket} joined now, {0, ticket} joined before.
+local seq = redis.call("ZSCORE", KEYS[1], ARGV[1]) or redis.call("ZSCORE", KEYS[2], ARGV[1])
+if seq then
+  return {0, seq}
+end
+seq = redis.call("INCR", KEYS[3])
+if tonumber(ARGV[2]) < tonumber(ARGV[3]) then
+  redis.call("ZADD", KEYS[1], seq, ARGV[1])
+else
+  -- Late: behind everyone drawn, in arrival order. Before the draw has run the
+  -- draw puts them there.
+  redis.call("ZADD", KEYS[2], seq, ARGV[1])
+  if redis.call("HEXISTS", KEYS[7], "seed") == 1 then
+    redis.call("ZADD", KEYS[4], tonumber(ARGV[4]) + seq, ARGV[1])
+  end
+end
+return {1, tostring(seq)}

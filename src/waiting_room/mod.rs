@@ -1,0 +1,476 @@
+//! The waiting room (API.md version 2): a fair draw, and admissions that follow
+//! the stock.
+//!
+//! - **Joining.** From `starts_at − waiting_room_secs` a user joins once
+//!   (`join.lua`); their ticket is their arrival number.
+//! - **The draw.** Just after `starts_at` (`DRAW_GRACE`, for instances whose clocks
+//!   differ a little) the order of everyone who joined before the start is drawn:
+//!   a Fisher–Yates shuffle of the users in arrival order driven by SplitMix64 from
+//!   a random 53-bit seed ([`draw_order`]). The seed and every user's arrival
+//!   number and place are written to MySQL first (`waiting_room_draws`,
+//!   `waiting_room_entries`), in one transaction that only one instance wins; the
+//!   places then go to Redis (`draw.lua`, idempotent) and the draw is committed
+//!   (`commit.lua`). Late joiners queue behind, in arrival order. An auditor
+//!   replays the draw from the seed and the arrival order; a Redis that lost the
+//!   queue gets the same places back from MySQL.
+//! - **Admission follows the stock.** Every `tick_ms` each instance runs one
+//!   admission step (`admit.lua`, atomic, so instances do not add up): turns that
+//!   ran out are settled `expired`, then users are admitted in queue order until
+//!   as many hold a turn as there are units left. A turn ends when its user
+//!   reserves (`settle.lua`). When no unit can come back (none left, none pending,
+//!   no order awaiting payment) the room closes and everyone still waiting is
+//!   told `sold_out`.
+//! - **Cheap to wait.** A user's place is one script call (`status.lua`).
+//!
+//! Every key lives in the hash tag of the activity's shard 0 (`RoomKeys`).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use redis::RedisResult;
+use sqlx::MySqlPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::activity::Activity;
+use crate::state::AppState;
+use crate::stock::{arg, invoke, Lua, RedisConn, RoomKeys};
+
+/// Places of late joiners start here: behind every drawn place.
+pub const LATE_PLACES: i64 = 1_000_000_000_000;
+/// How long after `starts_at` the draw waits, so that a join an instance with a
+/// slightly late clock still counted as early is in it.
+pub const DRAW_GRACE: Duration = Duration::from_secs(1);
+/// Users written to Redis per `draw.lua` call.
+const DRAW_CHUNK: usize = 5_000;
+/// How long a count of unpaid orders is reused (it is read only once nothing is
+/// left and nothing is pending).
+const UNPAID_TTL: Duration = Duration::from_secs(1);
+
+/// Where a user stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Place {
+    /// Never joined.
+    None,
+    /// In line; `ahead` once the draw has placed them.
+    Waiting { ticket: String, ahead: Option<u64> },
+    /// Their turn: reserve before `until` (`None` once they have reserved).
+    Admitted {
+        ticket: String,
+        until: Option<DateTime<Utc>>,
+    },
+    /// No unit can come back: the sale is over for them.
+    SoldOut { ticket: String },
+    /// Their turn ran out before they reserved.
+    Expired { ticket: String },
+}
+
+/// What the operators see of a waiting room.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub struct RoomFigures {
+    /// Users who joined, before and after the start.
+    pub joined: u64,
+    /// In line after the draw (before it: everyone who joined).
+    pub waiting: u64,
+    /// Holding a turn now.
+    pub admitted: u64,
+    /// Turns given so far.
+    pub admitted_total: u64,
+    /// Turns that ran out before their user reserved.
+    pub expired_total: u64,
+    /// The draw's seed, once drawn.
+    pub seed: Option<u64>,
+    /// Everyone still waiting was told `sold_out`.
+    pub closed: bool,
+}
+
+pub struct WaitingRoom {
+    conn: RedisConn,
+    pool: MySqlPool,
+    join: Lua,
+    draw: Lua,
+    commit: Lua,
+    admit: Lua,
+    turn: Lua,
+    settle: Lua,
+    status: Lua,
+    unpaid: Mutex<HashMap<String, (Instant, i64)>>,
+}
+
+fn ms(t: DateTime<Utc>) -> i64 {
+    t.timestamp_millis()
+}
+
+impl WaitingRoom {
+    pub fn new(conn: RedisConn, pool: MySqlPool) -> Self {
+        WaitingRoom {
+            conn,
+            pool,
+            join: Lua::new(include_str!("join.lua")),
+            draw: Lua::new(include_str!("draw.lua")),
+            commit: Lua::new(include_str!("commit.lua")),
+            admit: Lua::new(include_str!("admit.lua")),
+            turn: Lua::new(include_str!("turn.lua")),
+            settle: Lua::new(include_str!("settle.lua")),
+            status: Lua::new(include_str!("status.lua")),
+            unpaid: Mutex::default(),
+        }
+    }
+
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        a: &Activity,
+        lua: &Lua,
+        args: &[Vec<u8>],
+    ) -> RedisResult<T> {
+        let keys = RoomKeys::new(&a.id, a.stock_shards);
+        invoke(&self.conn, lua, &keys.all(), args).await
+    }
+
+    /// Joins `user`: their ticket, and whether they joined just now.
+    pub async fn join(
+        &self,
+        a: &Activity,
+        user: &str,
+        now: DateTime<Utc>,
+    ) -> RedisResult<(String, bool)> {
+        let (new, seq): (i64, String) = self
+            .run(
+                a,
+                &self.join,
+                &[
+                    arg(user),
+                    arg(ms(now)),
+                    arg(ms(a.starts_at)),
+                    arg(LATE_PLACES),
+                ],
+            )
+            .await?;
+        Ok((ticket(a, &seq), new == 1))
+    }
+
+    /// Where `user` stands, in one round trip.
+    pub async fn place(&self, a: &Activity, user: &str, now: DateTime<Utc>) -> RedisResult<Place> {
+        let (state, seq, ahead, until): (String, String, i64, i64) = self
+            .run(a, &self.status, &[arg(user), arg(ms(now))])
+            .await?;
+        let ticket = ticket(a, &seq);
+        Ok(match state.as_str() {
+            "none" => Place::None,
+            "admitted" => Place::Admitted {
+                ticket,
+                until: (until >= 0)
+                    .then(|| DateTime::from_timestamp_millis(until))
+                    .flatten(),
+            },
+            "sold_out" => Place::SoldOut { ticket },
+            "expired" => Place::Expired { ticket },
+            _ => Place::Waiting {
+                ticket,
+                ahead: u64::try_from(ahead).ok(),
+            },
+        })
+    }
+
+    /// Whether `user` holds a turn now (or has reserved already).
+    pub async fn may_reserve(
+        &self,
+        a: &Activity,
+        user: &str,
+        now: DateTime<Utc>,
+    ) -> RedisResult<bool> {
+        let ok: i64 = self.run(a, &self.turn, &[arg(user), arg(ms(now))]).await?;
+        Ok(ok == 1)
+    }
+
+    /// Ends `user`'s turn with what the reserve script answered.
+    pub async fn settle(&self, a: &Activity, user: &str, outcome: &str) -> RedisResult<()> {
+        let _: i64 = self
+            .run(a, &self.settle, &[arg(user), arg(outcome)])
+            .await?;
+        Ok(())
+    }
+
+    pub async fn figures(&self, a: &Activity) -> RedisResult<RoomFigures> {
+        let keys = RoomKeys::new(&a.id, a.stock_shards);
+        let mut conn = self.conn.clone();
+        // One slot, so one pipeline works on a Cluster too.
+        let (joined, late, queue, admitted, meta): (u64, u64, u64, u64, HashMap<String, String>) =
+            redis::pipe()
+                .zcard(&keys.joined)
+                .zcard(&keys.late)
+                .zcard(&keys.queue)
+                .zcard(&keys.admitted)
+                .hgetall(&keys.meta)
+                .query_async(&mut conn)
+                .await?;
+        let num = |k: &str| meta.get(k).and_then(|v| v.parse().ok());
+        let seed = num("seed");
+        Ok(RoomFigures {
+            joined: joined + late,
+            waiting: if seed.is_some() { queue } else { joined + late },
+            admitted,
+            admitted_total: num("admitted").unwrap_or(0),
+            expired_total: num("expired").unwrap_or(0),
+            seed,
+            closed: meta.contains_key("closed"),
+        })
+    }
+
+    /// One upkeep step of an activity's room: the draw once due, then admissions.
+    pub async fn step(
+        &self,
+        state: &AppState,
+        a: &Activity,
+        now: DateTime<Utc>,
+        turn: Duration,
+    ) -> anyhow::Result<()> {
+        if now < a.starts_at + DRAW_GRACE {
+            return Ok(());
+        }
+        self.ensure_drawn(a).await?;
+        let snap = state
+            .stock
+            .snapshot(&a.id, a.stock_shards)
+            .await
+            .context("stock snapshot")?;
+        // Not loaded (Redis lost it): admit nobody until the reconciler rebuilds.
+        let Some(left) = snap.stock else {
+            return Ok(());
+        };
+        let left = left.max(0);
+        let over =
+            now >= a.ends_at || (left == 0 && snap.pending == 0 && self.unpaid(a).await? == 0);
+        let until = now + chrono::Duration::from_std(turn).unwrap_or_default();
+        let _: (i64, i64, i64) = self
+            .run(
+                a,
+                &self.admit,
+                &[
+                    arg(ms(now)),
+                    arg(left),
+                    arg(if over { "1" } else { "0" }),
+                    arg(ms(until)),
+                ],
+            )
+            .await
+            .context("admission step")?;
+        Ok(())
+    }
+
+    /// Units in orders awaiting payment: they come back if the payment lapses.
+    async fn unpaid(&self, a: &Activity) -> anyhow::Result<i64> {
+        if let Some((at, n)) = self
+            .unpaid
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&a.id)
+        {
+            if at.elapsed() < UNPAID_TTL {
+                return Ok(*n);
+            }
+        }
+        let n: i64 = sqlx::query_scalar(
+            "SELECT CAST(COALESCE(SUM(quantity), 0) AS SIGNED) FROM orders \
+             WHERE activity_id = ? AND status = 'pending_payment'",
+        )
+        .bind(&a.id)
+        .fetch_one(&self.pool)
+        .await
+        .context("unpaid orders")?;
+        self.unpaid
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(a.id.clone(), (Instant::now(), n));
+        Ok(n)
+    }
+
+    /// The draw, in MySQL then in Redis, unless Redis has it already.
+    async fn ensure_drawn(&self, a: &Activity) -> anyhow::Result<()> {
+        let keys = RoomKeys::new(&a.id, a.stock_shards);
+        let mut conn = self.conn.clone();
+        let committed: bool = redis::cmd("HEXISTS")
+            .arg(&keys.meta)
+            .arg("seed")
+            .query_async(&mut conn)
+            .await?;
+        if committed {
+            return Ok(());
+        }
+        let (seed, order) = match load_draw(&self.pool, &a.id).await? {
+            Some(draw) => draw,
+            None => {
+                let joined: Vec<(String, f64)> = redis::cmd("ZRANGE")
+                    .arg(&keys.joined)
+                    .arg(0)
+                    .arg(-1)
+                    .arg("WITHSCORES")
+                    .query_async(&mut conn)
+                    .await?;
+                let arrivals: Vec<(String, u64)> =
+                    joined.into_iter().map(|(u, s)| (u, s as u64)).collect();
+                let seed = new_seed();
+                let users: Vec<String> = arrivals.iter().map(|(u, _)| u.clone()).collect();
+                let order = draw_order(&users, seed);
+                if record_draw(&self.pool, &a.id, seed, &arrivals, &order).await? {
+                    tracing::info!(activity_id = %a.id, seed, joined = order.len(), "waiting room drawn");
+                    (seed, order)
+                } else {
+                    load_draw(&self.pool, &a.id)
+                        .await?
+                        .context("a draw recorded by another instance vanished")?
+                }
+            }
+        };
+        for (i, chunk) in order.chunks(DRAW_CHUNK).enumerate() {
+            let mut args = vec![arg(seed), arg(i * DRAW_CHUNK)];
+            args.extend(chunk.iter().map(arg));
+            let _: i64 = self.run(a, &self.draw, &args).await?;
+        }
+        let _: i64 = self
+            .run(
+                a,
+                &self.commit,
+                &[arg(seed), arg(order.len()), arg(LATE_PLACES)],
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+fn ticket(a: &Activity, seq: &str) -> String {
+    format!("{}-{seq}", a.id)
+}
+
+/// A random seed below 2^53, so a metrics gauge shows it exactly.
+fn new_seed() -> u64 {
+    (uuid::Uuid::new_v4().as_u128() as u64) & ((1 << 53) - 1)
+}
+
+/// The draw: `users` (in arrival order) shuffled by Fisher–Yates, from the last
+/// place down, each swap partner `next() % (i + 1)` of SplitMix64 seeded with
+/// `seed`. Anyone can replay it from the recorded seed and arrival order.
+pub fn draw_order(users: &[String], seed: u64) -> Vec<String> {
+    let mut order = users.to_vec();
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    for i in (1..order.len()).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+/// Records the draw unless another instance did first (then `false`).
+async fn record_draw(
+    pool: &MySqlPool,
+    activity_id: &str,
+    seed: u64,
+    arrivals: &[(String, u64)],
+    order: &[String],
+) -> anyhow::Result<bool> {
+    let seq_of: HashMap<&str, u64> = arrivals.iter().map(|(u, s)| (u.as_str(), *s)).collect();
+    let mut tx = pool.begin().await?;
+    let done = sqlx::query(
+        "INSERT IGNORE INTO waiting_room_draws (activity_id, seed, joined, drawn_at) \
+         VALUES (?, ?, ?, ?)",
+    )
+    .bind(activity_id)
+    .bind(seed)
+    .bind(u32::try_from(order.len()).context("too many joined")?)
+    .bind(Utc::now().naive_utc())
+    .execute(&mut *tx)
+    .await?;
+    if done.rows_affected() == 0 {
+        return Ok(false);
+    }
+    for (c, chunk) in order.chunks(1000).enumerate() {
+        let mut q = sqlx::QueryBuilder::new(
+            "INSERT INTO waiting_room_entries (activity_id, position, user_id, joined_seq) ",
+        );
+        q.push_values(chunk.iter().enumerate(), |mut b, (i, user)| {
+            b.push_bind(activity_id)
+                .push_bind((c * 1000 + i + 1) as u32)
+                .push_bind(user)
+                .push_bind(seq_of.get(user.as_str()).copied().unwrap_or(0));
+        });
+        q.build().execute(&mut *tx).await?;
+    }
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// The recorded draw: its seed and the users in their drawn order.
+pub async fn load_draw(
+    pool: &MySqlPool,
+    activity_id: &str,
+) -> anyhow::Result<Option<(u64, Vec<String>)>> {
+    let seed: Option<u64> =
+        sqlx::query_scalar("SELECT seed FROM waiting_room_draws WHERE activity_id = ?")
+            .bind(activity_id)
+            .fetch_optional(pool)
+            .await?;
+    let Some(seed) = seed else {
+        return Ok(None);
+    };
+    let order: Vec<String> = sqlx::query_scalar(
+        "SELECT user_id FROM waiting_room_entries WHERE activity_id = ? ORDER BY position",
+    )
+    .bind(activity_id)
+    .fetch_all(pool)
+    .await?;
+    Ok(Some((seed, order)))
+}
+
+/// Every instance's upkeep of every waiting room from its start to a minute past
+/// its end, each `tick` (the admission steps are atomic, so instances never add
+/// up their admissions).
+pub async fn run(state: AppState, shutdown: CancellationToken) {
+    let settings = &state.settings.waiting_room;
+    let turn = Duration::from_secs(settings.turn_secs);
+    let mut tick = tokio::time::interval(Duration::from_millis(settings.tick_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let now = Utc::now();
+        for a in state.cache.waiting_rooms(now) {
+            if now > a.ends_at + chrono::Duration::minutes(1) {
+                continue;
+            }
+            if let Err(err) = state.waiting_room.step(&state, &a, now, turn).await {
+                tracing::warn!(activity_id = %a.id, error = %err, "waiting room step failed");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_draw_is_a_permutation_replayed_from_its_seed() {
+        let users: Vec<String> = (0..1000).map(|i| format!("u{i}")).collect();
+        let a = draw_order(&users, 42);
+        assert_eq!(a, draw_order(&users, 42));
+        assert_ne!(a, draw_order(&users, 43));
+        assert_ne!(a, users);
+        let mut sorted = a.clone();
+        sorted.sort();
+        let mut expected = users.clone();
+        expected.sort();
+        assert_eq!(sorted, expected);
+        assert!(draw_order(&[], 1).is_empty());
+    }
+}

@@ -1,0 +1,15 @@
+-- Whether a user may reserve now: admitted and within their turn, or already
+-- settled `reserved` (they then hear `already_reserved` from the reserve script).
+--
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta (see RoomKeys)
+-- ARGV[1] user id, ARGV[2] now (ms)
+--
+-- Returns 1 (may reserve) or 0 (not admitted).
+if redis.call("HGET", KEYS[6], ARGV[1]) == "reserved" then
+  return 1
+end
+local until_ms = redis.call("ZSCORE", KEYS[5], ARGV[1])
+if until_ms and tonumber(until_ms) >= tonumber(ARGV[2]) then
+  return 1
+end
+return 0

@@ -1,0 +1,422 @@
+//! The waiting room: joining, the recorded draw, admissions that follow the
+//! stock, turns that run out, `sold_out` for everyone once nothing can come
+//! back, and fairness against bots.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::stream::{self, StreamExt};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+use testkit::stats::binomial_interval;
+
+use crate::helpers::{assert_error, eventually, spawn_app_with, unique, with_workers, TestApp};
+
+/// A sale with a waiting room that starts in `starts_in`; created and preloaded.
+async fn room_sale(app: &TestApp, stock: u32, starts_in: Duration) -> (String, String) {
+    let spec = testkit::sale::SaleSpec {
+        starts_in_secs: i64::try_from(starts_in.as_secs()).expect("seconds"),
+        waiting_room: true,
+        payment_timeout_secs: 3600,
+        ..testkit::sale::SaleSpec::new(stock)
+    };
+    let sale = app.open_sale_spec(&spec).await;
+    let body: Value = app
+        .admin_get(&format!("/admin/activities/{}", sale.id))
+        .await
+        .json()
+        .await
+        .expect("JSON");
+    assert_eq!(body["admission"], "waiting_room");
+    assert_eq!(body["waiting_room_secs"], 600);
+    (sale.id, sale.sku)
+}
+
+async fn queue(app: &TestApp, method: reqwest::Method, sku: &str, user: &str) -> reqwest::Response {
+    app.client
+        .request(method, app.url(&format!("/flash/{sku}/queue")))
+        .bearer_auth(app.token(user))
+        .send()
+        .await
+        .expect("request sent")
+}
+
+async fn join(app: &TestApp, sku: &str, user: &str) -> reqwest::Response {
+    queue(app, reqwest::Method::POST, sku, user).await
+}
+
+async fn place(app: &TestApp, sku: &str, user: &str) -> Value {
+    let resp = queue(app, reqwest::Method::GET, sku, user).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    resp.json().await.expect("JSON")
+}
+
+async fn room(app: &TestApp, id: &str) -> Value {
+    let body: Value = app
+        .admin_get(&format!("/admin/activities/{id}"))
+        .await
+        .json()
+        .await
+        .expect("JSON");
+    body["live"]["waiting_room"].clone()
+}
+
+#[tokio::test]
+async fn users_are_drawn_admitted_as_the_stock_allows_and_told_sold_out_at_once() {
+    let app = spawn_app_with(with_workers).await;
+    let (id, sku) = room_sale(&app, 5, Duration::from_secs(3)).await;
+    let users: Vec<String> = (0..30).map(|i| format!("u{i}")).collect();
+
+    // Joining: 201 once, then the same ticket with 200; no place before the draw.
+    let mut tickets = HashMap::new();
+    for u in &users {
+        let resp = join(&app, &sku, u).await;
+        assert_eq!(resp.status(), StatusCode::CREATED);
+        let body: Value = resp.json().await.expect("JSON");
+        assert_eq!(body["state"], "waiting");
+        tickets.insert(u.clone(), body["ticket"].clone());
+    }
+    let again = join(&app, &sku, "u0").await;
+    assert_eq!(again.status(), StatusCode::OK);
+    assert!(again.headers().contains_key("retry-after"));
+    let body: Value = again.json().await.expect("JSON");
+    assert_eq!(body["ticket"], tickets["u0"]);
+    assert!(body.get("position").is_none(), "{body}");
+    let distinct: HashSet<String> = tickets.values().map(Value::to_string).collect();
+    assert_eq!(distinct.len(), users.len());
+    assert_error(
+        app.reserve(&sku, "u0", None).await,
+        StatusCode::FORBIDDEN,
+        "not_started",
+    )
+    .await;
+    let never = queue(&app, reqwest::Method::GET, &sku, "never-joined").await;
+    assert_error(never, StatusCode::NOT_FOUND, "not_found").await;
+
+    // The draw: every user placed once, the seed and the order in MySQL, and the
+    // order replayed from the seed and the arrival order.
+    eventually(Duration::from_secs(15), "the draw", || {
+        let app = &app;
+        let sku = &sku;
+        let users = &users;
+        async move {
+            let mut places = HashMap::new();
+            for u in users {
+                let p = place(app, sku, u).await;
+                places.insert(
+                    u.clone(),
+                    p["position"].as_u64().or(
+                        // Admitted already: they were among the first.
+                        (p["state"] == "admitted").then_some(0),
+                    )?,
+                );
+            }
+            Some(places)
+        }
+    })
+    .await;
+    let pool = app.state.pool.clone();
+    let seed: u64 = sqlx::query_scalar("SELECT seed FROM waiting_room_draws WHERE activity_id = ?")
+        .bind(&id)
+        .fetch_one(&pool)
+        .await
+        .expect("the draw is recorded");
+    let entries: Vec<(u32, String, u64)> = sqlx::query_as(
+        "SELECT position, user_id, joined_seq FROM waiting_room_entries \
+         WHERE activity_id = ? ORDER BY position",
+    )
+    .bind(&id)
+    .fetch_all(&pool)
+    .await
+    .expect("entries");
+    assert_eq!(entries.len(), users.len());
+    let mut arrivals = entries.clone();
+    arrivals.sort_by_key(|e| e.2);
+    let arrival_order: Vec<String> = arrivals.into_iter().map(|e| e.1).collect();
+    let drawn: Vec<String> = entries.iter().map(|e| e.1.clone()).collect();
+    assert_eq!(
+        flashsale::waiting_room::draw_order(&arrival_order, seed),
+        drawn,
+        "the recorded order replays from the seed"
+    );
+    assert_eq!(room(&app, &id).await["seed"], json!(seed));
+
+    // Admission follows the stock: the first five in the drawn order, no one else.
+    let first: Vec<String> = drawn[..5].to_vec();
+    eventually(Duration::from_secs(10), "five admitted", || async {
+        (room(&app, &id).await["admitted"] == 5).then_some(())
+    })
+    .await;
+    for u in &first {
+        assert_eq!(place(&app, &sku, u).await["state"], "admitted", "{u}");
+    }
+    let sixth = &drawn[5];
+    let p = place(&app, &sku, sixth).await;
+    assert_eq!(p["state"], "waiting");
+    assert_eq!(p["position"], 1, "{p}");
+    assert_error(
+        app.reserve(&sku, sixth, None).await,
+        StatusCode::FORBIDDEN,
+        "not_admitted",
+    )
+    .await;
+    for u in &first {
+        assert_eq!(
+            app.reserve(&sku, u, None).await.status(),
+            StatusCode::ACCEPTED
+        );
+    }
+    // Orders awaiting payment may still come back: the others keep waiting.
+    eventually(Duration::from_secs(15), "five orders", || async {
+        let counts = crate::helpers::order_counts(&app, &id).await;
+        (counts.get("pending_payment") == Some(&5)).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(place(&app, &sku, sixth).await["state"], "waiting");
+
+    // Paid: nothing can come back, and every waiting user is told so.
+    let orders: Vec<(u64, String)> =
+        sqlx::query_as("SELECT id, user_id FROM orders WHERE activity_id = ?")
+            .bind(&id)
+            .fetch_all(&pool)
+            .await
+            .expect("orders");
+    for (order, user) in &orders {
+        let resp = app
+            .client
+            .post(app.url(&format!("/orders/{order}/pay")))
+            .bearer_auth(app.token(user))
+            .send()
+            .await
+            .expect("pay");
+        assert_eq!(resp.status(), StatusCode::OK);
+    }
+    eventually(
+        Duration::from_secs(10),
+        "everyone told sold_out",
+        || async {
+            for u in &drawn[5..] {
+                if place(&app, &sku, u).await["state"] != "sold_out" {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await;
+    let winners: HashSet<&String> = orders.iter().map(|(_, u)| u).collect();
+    assert_eq!(winners, first.iter().collect::<HashSet<_>>());
+    let figures = room(&app, &id).await;
+    assert_eq!(figures["closed"], true);
+    assert_eq!(figures["admitted_total"], 5);
+    assert_eq!(figures["joined"], 30);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_turn_not_taken_goes_to_the_next_user() {
+    let app = spawn_app_with(|s| s.waiting_room.turn_secs = 1).await;
+    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
+    for u in ["a", "b", "c"] {
+        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
+    }
+    let first = eventually(Duration::from_secs(10), "a first turn", || async {
+        for u in ["a", "b", "c"] {
+            if place(&app, &sku, u).await["state"] == "admitted" {
+                return Some(u);
+            }
+        }
+        None
+    })
+    .await;
+    // The first admitted does nothing: their turn runs out and goes to the next.
+    let second = eventually(Duration::from_secs(10), "the next turn", || async {
+        for u in ["a", "b", "c"] {
+            if u != first && place(&app, &sku, u).await["state"] == "admitted" {
+                return Some(u);
+            }
+        }
+        None
+    })
+    .await;
+    assert_eq!(place(&app, &sku, first).await["state"], "expired");
+    assert_error(
+        app.reserve(&sku, first, None).await,
+        StatusCode::FORBIDDEN,
+        "not_admitted",
+    )
+    .await;
+    assert_eq!(
+        app.reserve(&sku, second, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    let figures = room(&app, &id).await;
+    assert!(figures["expired_total"].as_u64() >= Some(1), "{figures}");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn joining_is_checked() {
+    let app = spawn_app_with(|_| {}).await;
+    // An open sale has no waiting room; reserving there is unchanged.
+    let open = app.open_sale(1, 1).await;
+    assert_error(
+        join(&app, &open.sku, "u1").await,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    )
+    .await;
+    assert_eq!(
+        app.reserve(&open.sku, "u1", None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    // Too early: the room opens waiting_room_secs before the start.
+    let sku = unique("room-late-");
+    let starts = chrono::Utc::now() + chrono::Duration::hours(2);
+    let resp = app
+        .create_activity(json!({
+            "sku": sku, "stock": 3, "starts_at": starts,
+            "ends_at": starts + chrono::Duration::hours(1),
+            "admission": "waiting_room", "waiting_room_secs": 60,
+        }))
+        .await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    assert_error(
+        join(&app, &sku, "u1").await,
+        StatusCode::FORBIDDEN,
+        "not_started",
+    )
+    .await;
+    // Bad values: the documented error, nothing created.
+    for bad in [
+        json!({"admission": "lottery"}),
+        json!({"admission": "waiting_room", "waiting_room_secs": -1}),
+        json!({"admission": "waiting_room", "waiting_room_secs": 604_801}),
+        json!({"admission": "waiting_room", "waiting_room_secs": 1.5}),
+    ] {
+        let mut body = json!({
+            "sku": unique("room-bad-"), "stock": 3,
+            "starts_at": starts, "ends_at": starts + chrono::Duration::hours(1),
+        });
+        for (k, v) in bad.as_object().expect("object") {
+            body[k] = v.clone();
+        }
+        assert_error(
+            app.create_activity(body).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        )
+        .await;
+    }
+    app.stop().await;
+}
+
+/// Bots among the winners of one sale: 1,000 users of whom 100 bots that start
+/// earlier and send ten times as many requests, 100 units.
+async fn bots_among_winners(app: &TestApp, waiting_room: bool) -> (usize, usize) {
+    const USERS: usize = 1_000;
+    const BOTS: usize = 100;
+    let users: Arc<Vec<String>> = Arc::new(
+        (0..USERS)
+            .map(|i| {
+                if i < BOTS {
+                    format!("bot{i}")
+                } else {
+                    format!("human{i}")
+                }
+            })
+            .collect(),
+    );
+    let is_bot = |u: &str| u.starts_with("bot");
+    let winners: Vec<String> = if waiting_room {
+        let (id, sku) = room_sale(app, 100, Duration::from_secs(4)).await;
+        // Bots join first, and ten times.
+        for round in 0..10 {
+            let who: Vec<String> = users
+                .iter()
+                .filter(|u| round == 0 || is_bot(u))
+                .cloned()
+                .collect();
+            stream::iter(who)
+                .for_each_concurrent(64, |u| {
+                    let sku = sku.clone();
+                    async move {
+                        let s = join(app, &sku, &u).await.status();
+                        assert!(s == StatusCode::CREATED || s == StatusCode::OK, "{s}");
+                    }
+                })
+                .await;
+        }
+        eventually(Duration::from_secs(20), "100 admitted", || async {
+            (room(app, &id).await["admitted_total"] == 100).then_some(())
+        })
+        .await;
+        // Everyone asks where they stand; the admitted reserve (bots ten times).
+        let won: Vec<Option<String>> = stream::iter(users.iter().cloned())
+            .map(|u| {
+                let sku = sku.clone();
+                async move {
+                    if place(app, &sku, &u).await["state"] != "admitted" {
+                        return None;
+                    }
+                    let tries = if is_bot(&u) { 10 } else { 1 };
+                    let mut won = false;
+                    for _ in 0..tries {
+                        won |= app.reserve(&sku, &u, None).await.status() == StatusCode::ACCEPTED;
+                    }
+                    won.then_some(u)
+                }
+            })
+            .buffer_unordered(64)
+            .collect()
+            .await;
+        won.into_iter().flatten().collect()
+    } else {
+        let sale = app.open_sale(100, 1).await;
+        // Bots fire first and ten times each; everyone else once, after.
+        let mut requests: Vec<String> = Vec::new();
+        for _ in 0..10 {
+            requests.extend(users.iter().filter(|u| is_bot(u)).cloned());
+        }
+        requests.extend(users.iter().filter(|u| !is_bot(u)).cloned());
+        let won: Vec<Option<String>> = stream::iter(requests)
+            .map(|u| {
+                let sku = sale.sku.clone();
+                async move {
+                    (app.reserve(&sku, &u, None).await.status() == StatusCode::ACCEPTED)
+                        .then_some(u)
+                }
+            })
+            .buffered(64)
+            .collect()
+            .await;
+        won.into_iter().flatten().collect()
+    };
+    let distinct: HashSet<&String> = winners.iter().collect();
+    assert_eq!(distinct.len(), winners.len(), "a user won twice");
+    (winners.iter().filter(|u| is_bot(u)).count(), winners.len())
+}
+
+#[tokio::test]
+async fn the_waiting_room_takes_the_bots_advantage_away() {
+    let app = spawn_app_with(|_| {}).await;
+    let (open_bots, open_winners) = bots_among_winners(&app, false).await;
+    let (room_bots, room_winners) = bots_among_winners(&app, true).await;
+    eprintln!(
+        "bots' share of the winners: open {open_bots}/{open_winners}, waiting room {room_bots}/{room_winners}"
+    );
+    assert_eq!((open_winners, room_winners), (100, 100));
+    // Open: the bots, first and ten times, take far more than their 10 %.
+    assert!(open_bots >= 50, "open: {open_bots} of 100 winners are bots");
+    // The waiting room: as if drawn at random. A 99.9 % interval, so that the test
+    // itself fails by chance once in a thousand runs at most.
+    let (lo, hi) = binomial_interval(100, 0.1, 0.001);
+    assert!(
+        (lo..=hi).contains(&room_bots),
+        "waiting room: {room_bots} of 100 winners are bots, outside [{lo}, {hi}]"
+    );
+    app.stop().await;
+}
