@@ -313,8 +313,15 @@ impl WaitingRoom {
                     joined.into_iter().map(|(u, s)| (u, s as u64)).collect();
                 let seed = new_seed();
                 let users: Vec<String> = arrivals.iter().map(|(u, _)| u.clone()).collect();
-                let order = draw_order(&users, seed);
-                if record_draw(&self.pool, &a.id, seed, &arrivals, &order).await? {
+                let seq_of: HashMap<String, u64> = arrivals.into_iter().collect();
+                let order: Vec<(String, u64)> = draw_order(&users, seed)
+                    .into_iter()
+                    .map(|u| {
+                        let seq = seq_of.get(&u).copied().unwrap_or(0);
+                        (u, seq)
+                    })
+                    .collect();
+                if record_draw(&self.pool, &a.id, seed, &order).await? {
                     tracing::info!(activity_id = %a.id, seed, joined = order.len(), "waiting room drawn");
                     (seed, order)
                 } else {
@@ -326,7 +333,10 @@ impl WaitingRoom {
         };
         for (i, chunk) in order.chunks(DRAW_CHUNK).enumerate() {
             let mut args = vec![arg(seed), arg(i * DRAW_CHUNK)];
-            args.extend(chunk.iter().map(arg));
+            for (user, seq) in chunk {
+                args.push(arg(user));
+                args.push(arg(seq));
+            }
             let _: i64 = self.run(a, &self.draw, &args).await?;
         }
         let _: i64 = self
@@ -369,15 +379,14 @@ pub fn draw_order(users: &[String], seed: u64) -> Vec<String> {
     order
 }
 
-/// Records the draw unless another instance did first (then `false`).
+/// Records the draw (users in drawn order, with their arrival numbers) unless
+/// another instance did first (then `false`).
 async fn record_draw(
     pool: &MySqlPool,
     activity_id: &str,
     seed: u64,
-    arrivals: &[(String, u64)],
-    order: &[String],
+    order: &[(String, u64)],
 ) -> anyhow::Result<bool> {
-    let seq_of: HashMap<&str, u64> = arrivals.iter().map(|(u, s)| (u.as_str(), *s)).collect();
     let mut tx = pool.begin().await?;
     let done = sqlx::query(
         "INSERT IGNORE INTO waiting_room_draws (activity_id, seed, joined, drawn_at) \
@@ -396,11 +405,11 @@ async fn record_draw(
         let mut q = sqlx::QueryBuilder::new(
             "INSERT INTO waiting_room_entries (activity_id, position, user_id, joined_seq) ",
         );
-        q.push_values(chunk.iter().enumerate(), |mut b, (i, user)| {
+        q.push_values(chunk.iter().enumerate(), |mut b, (i, (user, seq))| {
             b.push_bind(activity_id)
                 .push_bind((c * 1000 + i + 1) as u32)
                 .push_bind(user)
-                .push_bind(seq_of.get(user.as_str()).copied().unwrap_or(0));
+                .push_bind(*seq);
         });
         q.build().execute(&mut *tx).await?;
     }
@@ -408,11 +417,12 @@ async fn record_draw(
     Ok(true)
 }
 
-/// The recorded draw: its seed and the users in their drawn order.
+/// The recorded draw: its seed, and the users in their drawn order with their
+/// arrival numbers.
 pub async fn load_draw(
     pool: &MySqlPool,
     activity_id: &str,
-) -> anyhow::Result<Option<(u64, Vec<String>)>> {
+) -> anyhow::Result<Option<(u64, Vec<(String, u64)>)>> {
     let seed: Option<u64> =
         sqlx::query_scalar("SELECT seed FROM waiting_room_draws WHERE activity_id = ?")
             .bind(activity_id)
@@ -421,8 +431,8 @@ pub async fn load_draw(
     let Some(seed) = seed else {
         return Ok(None);
     };
-    let order: Vec<String> = sqlx::query_scalar(
-        "SELECT user_id FROM waiting_room_entries WHERE activity_id = ? ORDER BY position",
+    let order: Vec<(String, u64)> = sqlx::query_as(
+        "SELECT user_id, joined_seq FROM waiting_room_entries WHERE activity_id = ? ORDER BY position",
     )
     .bind(activity_id)
     .fetch_all(pool)

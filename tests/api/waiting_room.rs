@@ -420,3 +420,76 @@ async fn the_waiting_room_takes_the_bots_advantage_away() {
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn a_queue_lost_with_redis_comes_back_in_the_drawn_order() {
+    let app = spawn_app_with(|_| {}).await;
+    // Split over three stock shards: the room lives beside shard 0's stock.
+    let spec = testkit::sale::SaleSpec {
+        starts_in_secs: 2,
+        waiting_room: true,
+        stock_shards: 3,
+        ..testkit::sale::SaleSpec::new(3)
+    };
+    let sale = app.open_sale_spec(&spec).await;
+    let users: Vec<String> = (0..12).map(|i| format!("k{i}")).collect();
+    for u in &users {
+        assert_eq!(join(&app, &sale.sku, u).await.status(), StatusCode::CREATED);
+    }
+    let before = eventually(
+        Duration::from_secs(15),
+        "the draw and three turns",
+        || async {
+            let figures = room(&app, &sale.id).await;
+            (figures["admitted"] == 3).then_some(figures)
+        },
+    )
+    .await;
+    let seed = before["seed"].as_u64().expect("a seed");
+    let metrics = app
+        .client
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics.contains(&format!(
+            "flashsale_waiting_room_draw_seed{{activity_id=\"{}\"}} {seed}",
+            sale.id
+        )),
+        "the seed is a metric"
+    );
+    let ahead_before: HashMap<String, Value> = {
+        let mut m = HashMap::new();
+        for u in &users {
+            m.insert(u.clone(), place(&app, &sale.sku, u).await["ahead"].clone());
+        }
+        m
+    };
+    // Redis loses the room (the turns too).
+    let keys = flashsale::stock::RoomKeys::new(&sale.id, 3);
+    let mut conn = app.state.stock.connection();
+    for k in keys.all() {
+        let _: () = redis::cmd("DEL")
+            .arg(k)
+            .query_async(&mut conn)
+            .await
+            .expect("DEL");
+    }
+    // The same seed and order come back from MySQL; those who held a turn are
+    // first in line again, and get it back.
+    let after = eventually(Duration::from_secs(10), "the room rebuilt", || async {
+        let figures = room(&app, &sale.id).await;
+        (figures["seed"] == json!(seed) && figures["admitted"] == 3).then_some(figures)
+    })
+    .await;
+    assert_eq!(after["seed"], before["seed"]);
+    for u in &users {
+        let p = place(&app, &sale.sku, u).await;
+        assert_eq!(p["ahead"], ahead_before[u], "{u}: {p}");
+    }
+    app.stop().await;
+}
