@@ -8,6 +8,8 @@
 //! - `no-op`: `POST /flash/{sku}/reserve` on the no-op strategy's server;
 //! - `sold out`: the same on the service, its one unit sold: `409 sold_out`;
 //! - `refused by window`: a sale that starts in half an hour: `403 not_started`;
+//! - `waiting room: join` and `waiting room: where do I stand`: the crowd joins a
+//!   waiting room (`201` once, then `200`), then polls its place (`200`);
 //! - `winning`: a sale with a unit for every user: `202` (each waits for the broker).
 //!
 //! For each: requests per second, latency, the server process's CPU seconds and
@@ -220,6 +222,36 @@ async fn service_phases(
         )
         .await?,
     );
+
+    // A waiting room five minutes before its start: the crowd joins, then asks
+    // where it stands (each user their own token).
+    let room = SaleSpec {
+        sku: Some(bench.next_sku(StrategyKind::Service, "flood-room")),
+        starts_in_secs: 300,
+        waiting_room: true,
+        ..SaleSpec::new(100)
+    };
+    bench.open_service_sale(service, &room).await?;
+    let queue = format!("/flash/{}/queue", room.sku.as_deref().unwrap_or_default());
+    for (phase, method, expected) in [
+        ("waiting room: join", Method::POST, "201"),
+        ("waiting room: where do I stand", Method::GET, "200"),
+    ] {
+        runs.push(
+            measure(
+                bench,
+                &Target {
+                    phase,
+                    server: service,
+                    method,
+                    path: queue.clone(),
+                    tokens: Some(crowd),
+                    expected,
+                },
+            )
+            .await?,
+        );
+    }
 
     let open = SaleSpec {
         sku: Some(bench.next_sku(StrategyKind::Service, "flood-winning")),
