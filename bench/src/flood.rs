@@ -3,7 +3,8 @@
 //! phase of a sale, against `GET /healthz` and an authenticated no-op behind the
 //! same layers.
 //!
-//! Phases, each a `wrk` run of `--flood-duration` seconds:
+//! Phases, each a `wrk` run of `--flood-duration` seconds; the first four take
+//! turns for `--flood-rounds` rounds and the median round of each is reported:
 //! - `healthz`: `GET /healthz` on the service (no script: wrk's fastest path);
 //! - `no-op`: `POST /flash/{sku}/reserve` on the no-op strategy's server;
 //! - `sold out`: the same on the service, its one unit sold: `409 sold_out`;
@@ -114,56 +115,35 @@ pub async fn section(bench: &mut Bench) -> anyhow::Result<FloodSection> {
         runs: Vec::new(),
     };
 
-    eprintln!("== flood: the no-op behind the same layers");
+    // Both servers run throughout (the idle one costs nothing), so the phases
+    // that are compared take turns, round after round, and noise from the rest
+    // of the machine falls on all of them alike.
     let noop = bench.start_server(StrategyKind::Noop, &[]).await?;
-    let sku = bench.next_sku(StrategyKind::Noop, "flood");
-    bench.open_sale(&noop, &sku, 1_000_000).await?;
-    let run = measure(
-        bench,
-        &Target {
-            phase: "no-op",
-            server: &noop,
-            method: Method::POST,
-            path: format!("/flash/{sku}/reserve"),
-            tokens: Some(&crowd),
-            expected: "202",
-        },
-    )
-    .await;
+    let service = bench.start_server(StrategyKind::Service, &[]).await;
+    let runs = match &service {
+        Ok(service) => phases(bench, &noop, service, &crowd, &winning, winners).await,
+        Err(e) => Err(anyhow::anyhow!("the service did not start: {e:#}")),
+    };
     noop.stop().await?;
-    section.runs.push(run?);
-
-    eprintln!("== flood: the service");
-    let service = bench.start_server(StrategyKind::Service, &[]).await?;
-    let runs = service_phases(bench, &service, &crowd, &winning, winners).await;
-    service.stop().await?;
-    section.runs.extend(runs?);
+    if let Ok(service) = service {
+        service.stop().await?;
+    }
+    section.runs = runs?;
     Ok(section)
 }
 
-/// `/healthz`, then the sold-out, refused and winning phases on one service.
-async fn service_phases(
+/// The compared phases in `--flood-rounds` rounds (the median round of each is
+/// kept), then the waiting room's and the winning phases once.
+async fn phases(
     bench: &mut Bench,
+    noop: &ServerChild,
     service: &ServerChild,
     crowd: &Path,
     winning: &Path,
     winners: usize,
 ) -> anyhow::Result<Vec<FloodRun>> {
-    let mut runs = Vec::new();
-    runs.push(
-        measure(
-            bench,
-            &Target {
-                phase: "healthz",
-                server: service,
-                method: Method::GET,
-                path: "/healthz".into(),
-                tokens: None,
-                expected: "200",
-            },
-        )
-        .await?,
-    );
+    let noop_sku = bench.next_sku(StrategyKind::Noop, "flood");
+    bench.open_sale(noop, &noop_sku, 1_000_000).await?;
 
     // Sold out: one unit, bought before the flood.
     let sold = SaleSpec {
@@ -171,12 +151,12 @@ async fn service_phases(
         ..SaleSpec::new(1)
     };
     bench.open_service_sale(service, &sold).await?;
-    let sku = sold.sku.clone().unwrap_or_default();
+    let sold_sku = sold.sku.clone().unwrap_or_default();
     let buyer = first_token(winning)?;
     let (status, body) = call_json(
         service.addr,
         Method::POST,
-        &format!("/flash/{sku}/reserve"),
+        &format!("/flash/{sold_sku}/reserve"),
         Some(&buyer),
         None,
     )
@@ -184,44 +164,59 @@ async fn service_phases(
     if status != StatusCode::ACCEPTED {
         bail!("the sold-out sale's one unit was not sold: {status} {body}");
     }
-    runs.push(
-        measure(
-            bench,
-            &Target {
-                phase: "sold out",
-                server: service,
-                method: Method::POST,
-                path: format!("/flash/{sku}/reserve"),
-                tokens: Some(crowd),
-                expected: "409 sold_out",
-            },
-        )
-        .await?,
-    );
-
     let upcoming = SaleSpec {
         sku: Some(bench.next_sku(StrategyKind::Service, "flood-upcoming")),
         starts_in_secs: 1800,
         ..SaleSpec::new(100)
     };
     bench.open_service_sale(service, &upcoming).await?;
-    runs.push(
-        measure(
-            bench,
-            &Target {
-                phase: "refused by window",
-                server: service,
-                method: Method::POST,
-                path: format!(
-                    "/flash/{}/reserve",
-                    upcoming.sku.as_deref().unwrap_or_default()
-                ),
-                tokens: Some(crowd),
-                expected: "403 not_started",
-            },
-        )
-        .await?,
-    );
+
+    let compared = [
+        Target {
+            phase: "no-op",
+            server: noop,
+            method: Method::POST,
+            path: format!("/flash/{noop_sku}/reserve"),
+            tokens: Some(crowd),
+            expected: "202",
+        },
+        Target {
+            phase: "healthz",
+            server: service,
+            method: Method::GET,
+            path: "/healthz".into(),
+            tokens: None,
+            expected: "200",
+        },
+        Target {
+            phase: "sold out",
+            server: service,
+            method: Method::POST,
+            path: format!("/flash/{sold_sku}/reserve"),
+            tokens: Some(crowd),
+            expected: "409 sold_out",
+        },
+        Target {
+            phase: "refused by window",
+            server: service,
+            method: Method::POST,
+            path: format!(
+                "/flash/{}/reserve",
+                upcoming.sku.as_deref().unwrap_or_default()
+            ),
+            tokens: Some(crowd),
+            expected: "403 not_started",
+        },
+    ];
+    let rounds = bench.opts.flood_rounds.max(1);
+    let mut measured: Vec<Vec<FloodRun>> = vec![Vec::new(); compared.len()];
+    for round in 1..=rounds {
+        eprintln!("== flood: round {round} of {rounds}");
+        for (i, target) in compared.iter().enumerate() {
+            measured[i].push(measure(bench, target).await?);
+        }
+    }
+    let mut runs: Vec<FloodRun> = measured.into_iter().map(median_round).collect();
 
     // A waiting room five minutes before its start: the crowd joins, then asks
     // where it stands (each user their own token).
@@ -237,20 +232,15 @@ async fn service_phases(
         ("waiting room: join", Method::POST, "201"),
         ("waiting room: where do I stand", Method::GET, "200"),
     ] {
-        runs.push(
-            measure(
-                bench,
-                &Target {
-                    phase,
-                    server: service,
-                    method,
-                    path: queue.clone(),
-                    tokens: Some(crowd),
-                    expected,
-                },
-            )
-            .await?,
-        );
+        let target = Target {
+            phase,
+            server: service,
+            method,
+            path: queue.clone(),
+            tokens: Some(crowd),
+            expected,
+        };
+        runs.push(measure(bench, &target).await?);
     }
 
     let open = SaleSpec {
@@ -259,21 +249,25 @@ async fn service_phases(
         ..SaleSpec::new(u32::try_from(winners).context("too many winners")?)
     };
     bench.open_service_sale(service, &open).await?;
-    runs.push(
-        measure(
-            bench,
-            &Target {
-                phase: "winning",
-                server: service,
-                method: Method::POST,
-                path: format!("/flash/{}/reserve", open.sku.as_deref().unwrap_or_default()),
-                tokens: Some(winning),
-                expected: "202",
-            },
-        )
-        .await?,
-    );
+    let target = Target {
+        phase: "winning",
+        server: service,
+        method: Method::POST,
+        path: format!("/flash/{}/reserve", open.sku.as_deref().unwrap_or_default()),
+        tokens: Some(winning),
+        expected: "202",
+    };
+    runs.push(measure(bench, &target).await?);
     Ok(runs)
+}
+
+/// The round with the median throughput, every round's throughput beside it.
+fn median_round(mut rounds: Vec<FloodRun>) -> FloodRun {
+    let all: Vec<f64> = rounds.iter().map(|r| r.rps).collect();
+    rounds.sort_by(|a, b| a.rps.total_cmp(&b.rps));
+    let mut median = rounds.swap_remove(rounds.len() / 2);
+    median.rps_rounds = all;
+    median
 }
 
 /// One `wrk` run against `target`, with the server's CPU and Redis's commands.
@@ -342,6 +336,7 @@ async fn measure(bench: &Bench, target: &Target<'_>) -> anyhow::Result<FloodRun>
         socket_errors: w.socket,
         server_cpu_s: cpu_after.zip(cpu_before).map(|(a, b)| a - b),
         redis_commands: Some(redis_after.commands.saturating_sub(redis_before.commands)),
+        rps_rounds: Vec::new(),
     })
 }
 

@@ -177,6 +177,9 @@ pub struct FloodRun {
     pub server_cpu_s: Option<f64>,
     /// Commands Redis processed during the run (`total_commands_processed`).
     pub redis_commands: Option<u64>,
+    /// Requests per second of every round, when the phase ran in rounds.
+    #[serde(default)]
+    pub rps_rounds: Vec<f64>,
 }
 
 impl FloodRun {

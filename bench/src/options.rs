@@ -91,6 +91,10 @@ pub struct SuiteOptions {
     /// service sold out, refused by its window, winning); 0 skips the section.
     #[arg(long, default_value_t = 5.0)]
     pub flood_duration: f64,
+    /// Rounds in which healthz, the no-op, sold out and refused by window take
+    /// turns; the median round of each is reported.
+    #[arg(long, default_value_t = 3)]
+    pub flood_rounds: usize,
     /// Units the gate section returns to a sold-out sale during a flood, through a
     /// second instance; 0 skips the section.
     #[arg(long, default_value_t = 20)]

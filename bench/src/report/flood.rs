@@ -18,7 +18,8 @@ pub fn flood(md: &mut String, f: &FloodSection) {
     let _ = writeln!(
         md,
         "`{}`, {} thread, {} connections, rate limits off, {} users each with a token of their own \
-         (the requests are built once and sent in turn). CPU is the server process's own (user + \
+         (the requests are built once and sent in turn). The first four phases take turns for several \
+         rounds and each shows its median round. CPU is the server process's own (user + \
          system, all threads, from `/proc`) divided by the requests; Redis commands are \
          `total_commands_processed` over the same run (the commands a script runs count too).\n",
         f.wrk,
@@ -30,17 +31,17 @@ pub fn flood(md: &mut String, f: &FloodSection) {
     let noop = f.run("no-op").map(|r| r.rps);
     let _ = writeln!(
         md,
-        "| phase | request | answer (one probe) | req/s | × healthz | × no-op | p50 ms | p99 ms | non-2xx | server CPU µs / request | Redis commands / request |"
+        "| phase | request | answer (one probe) | req/s | × healthz | × no-op | p50 ms | p99 ms | non-2xx | server CPU µs / request | Redis commands / request | req/s of each round |"
     );
     let _ = writeln!(
         md,
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
     );
     let share = |rps: f64, of: Option<f64>| of.map_or("–".into(), |o| format!("{:.2}", rps / o));
     for r in &f.runs {
         let _ = writeln!(
             md,
-            "| {} | `{}` | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | `{}` | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r.phase,
             r.request,
             if r.probe == r.expected {
@@ -58,6 +59,11 @@ pub fn flood(md: &mut String, f: &FloodSection) {
                 .map_or("–".into(), |c| format!("{c:.1}")),
             r.redis_commands_per_request()
                 .map_or("–".into(), |c| format!("{c:.3}")),
+            r.rps_rounds
+                .iter()
+                .map(|x| thousands(*x))
+                .collect::<Vec<_>>()
+                .join(", "),
         );
     }
     if let Some(sold) = f.run("sold out") {
