@@ -299,21 +299,11 @@ impl WorkerOut {
     }
 }
 
-/// Deterministic Fisher–Yates shuffle (SplitMix64), so two runs send the same order.
+/// A seeded shuffle of the request numbers (the waiting room's draw), so two runs
+/// send the same order.
 fn shuffled(n: usize, seed: u64) -> Vec<u32> {
     let mut v: Vec<u32> = (0..n as u32).collect();
-    let mut state = seed;
-    let mut next = || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    for i in (1..n).rev() {
-        let j = (next() % (i as u64 + 1)) as usize;
-        v.swap(i, j);
-    }
+    flashsale::waiting_room::shuffle(&mut v, seed);
     v
 }
 

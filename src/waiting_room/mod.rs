@@ -236,10 +236,14 @@ impl WaitingRoom {
             .snapshot(&a.id, a.stock_shards)
             .await
             .context("stock snapshot")?;
-        // Not loaded (Redis lost it): admit nobody until the reconciler rebuilds.
+        // Not loaded (Redis lost it) or paused: no turn is given or taken until
+        // the reconciler has rebuilt it or an operator resumes it.
         let Some(left) = snap.stock else {
             return Ok(());
         };
+        if snap.state.as_deref() == Some("paused") {
+            return Ok(());
+        }
         let left = left.max(0);
         let over =
             now >= a.ends_at || (left == 0 && snap.pending == 0 && self.unpaid(a).await? == 0);
@@ -359,11 +363,9 @@ fn new_seed() -> u64 {
     (uuid::Uuid::new_v4().as_u128() as u64) & ((1 << 53) - 1)
 }
 
-/// The draw: `users` (in arrival order) shuffled by Fisher–Yates, from the last
-/// place down, each swap partner `next() % (i + 1)` of SplitMix64 seeded with
-/// `seed`. Anyone can replay it from the recorded seed and arrival order.
-pub fn draw_order(users: &[String], seed: u64) -> Vec<String> {
-    let mut order = users.to_vec();
+/// Fisher–Yates from the last place down, each swap partner `next() % (i + 1)`
+/// of SplitMix64 seeded with `seed`: the shuffle behind the draw.
+pub fn shuffle<T>(items: &mut [T], seed: u64) {
     let mut state = seed;
     let mut next = || {
         state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -372,10 +374,17 @@ pub fn draw_order(users: &[String], seed: u64) -> Vec<String> {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     };
-    for i in (1..order.len()).rev() {
+    for i in (1..items.len()).rev() {
         let j = (next() % (i as u64 + 1)) as usize;
-        order.swap(i, j);
+        items.swap(i, j);
     }
+}
+
+/// The draw: `users` (in arrival order) in the order [`shuffle`] gives them from
+/// `seed`. Anyone can replay it from the recorded seed and arrival order.
+pub fn draw_order(users: &[String], seed: u64) -> Vec<String> {
+    let mut order = users.to_vec();
+    shuffle(&mut order, seed);
     order
 }
 
