@@ -3,9 +3,10 @@
 # alternatives (MySQL alone, Redis DECR/INCR, a Redis lock), against the
 # ceilings measured in the same run (Redis EVALSHA of the reserve script, the
 # broker, a no-op endpoint behind the same HTTP layers), while another client
-# queries the same MariaDB. About four minutes on two cores (plus the first build): the strategies, the
-# flood measured with wrk, the sold-out gate across two instances, the
-# producer's settings and the hot SKU on a Redis Cluster.
+# queries the same MariaDB. About five minutes on two cores (plus the first
+# build): the strategies, the flood measured with wrk, the sold-out gate across
+# two instances, the producer's settings, bots against the waiting room and the
+# hot SKU on a Redis Cluster.
 #
 #   scripts/bench.sh                          # everything, defaults
 #   scripts/bench.sh --duration 5 --users 100000 --strategies noop,service

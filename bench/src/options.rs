@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use crate::server::{RateLimitMode, StrategyKind};
 
 /// Every size and duration of a comparison; the defaults fit the whole suite in
-/// about four minutes on two cores (ten is the budget).
+/// about five minutes on two cores (ten is the budget).
 #[derive(Debug, Clone, clap::Args, Serialize, Deserialize)]
 pub struct SuiteOptions {
     /// Repository root: `config/` and `src/stock/reserve.lua` are read from it.
