@@ -120,6 +120,7 @@ impl Application {
             kafka: settings.kafka.clone(),
             pending_deadline: Duration::from_secs(settings.reconcile.pending_deadline_secs),
             last: Arc::default(),
+            lost_since: Arc::default(),
         };
         let state = AppState::new(Inner {
             settings,
@@ -360,6 +361,7 @@ pub async fn reconcile_once(
         kafka: settings.kafka.clone(),
         pending_deadline: Duration::from_secs(settings.reconcile.pending_deadline_secs),
         last: Arc::default(),
+        lost_since: Arc::default(),
     };
     let mut reports = Vec::new();
     match activity {

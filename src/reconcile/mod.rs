@@ -28,7 +28,7 @@
 //! Every step is idempotent and safe to run on several instances at once.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use serde::Serialize;
@@ -110,6 +110,10 @@ pub struct MysqlFigures {
     pub expected_available: i64,
 }
 
+/// Beyond the publish timeout, for the broker's acknowledgement to reach the
+/// service and the message's offset to reach the lag.
+const PUBLISH_GRACE: Duration = Duration::from_millis(500);
+
 #[derive(Clone)]
 pub struct Reconciler {
     pub activities: ActivityRepo,
@@ -119,9 +123,19 @@ pub struct Reconciler {
     pub pending_deadline: Duration,
     /// The last report of each activity this instance reconciled.
     pub last: Arc<std::sync::Mutex<std::collections::HashMap<String, Report>>>,
+    /// When this instance first found each activity lost from Redis.
+    pub lost_since: Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>>,
 }
 
 impl Reconciler {
+    /// The activity is in Redis again: a later loss waits from its own start.
+    fn found(&self, activity_id: &str) {
+        self.lost_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(activity_id);
+    }
+
     /// The last report this instance made for an activity.
     pub fn last_report(&self, activity_id: &str) -> Option<Report> {
         let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
@@ -165,6 +179,7 @@ impl Reconciler {
                 None
             }
         };
+        let lag_measured = Instant::now();
         if let Some(lag) = report.consumer_lag {
             metrics::gauge!("flashsale_consumer_lag_messages").set(lag as f64);
         }
@@ -177,7 +192,8 @@ impl Reconciler {
             } else {
                 PreloadMode::Missing
             };
-            self.recover(activity, mode, &mut report).await?;
+            self.recover(activity, mode, lag_measured, &mut report)
+                .await?;
             return Ok(report);
         }
         // A state older than MySQL's last build: a primary that went back in time
@@ -192,11 +208,12 @@ impl Reconciler {
                 report.stale = true;
                 metrics::counter!("flashsale_redis_stale_state_total").increment(1);
                 tracing::error!(incident = true, activity_id = %activity.id, epoch, mysql_epoch, "Redis holds an older build of the activity");
-                self.recover(activity, PreloadMode::Force, &mut report)
+                self.recover(activity, PreloadMode::Force, lag_measured, &mut report)
                     .await?;
                 return Ok(report);
             }
         }
+        self.found(&activity.id);
         self.decide_expired(activity, &mut report).await?;
         report.transfers_finished = self
             .stock
@@ -215,16 +232,31 @@ impl Reconciler {
     /// Redis does not hold the activity (`Missing`), or holds an older build of it
     /// (`Force`): pause it, and rebuild it from MySQL once every published
     /// reservation has reached MySQL.
+    ///
+    /// A reservation made in the lost state may still be waiting for the broker:
+    /// acknowledged after the lag was measured, its order would reach MySQL after
+    /// the build counted the units, and the rebuilt stock would hand its unit out
+    /// again. So the lag that allows a build must have been measured at least a
+    /// publish timeout after this instance first saw the loss; by then every such
+    /// publish was acknowledged (and is in the lag) or failed.
     async fn recover(
         &self,
         activity: &Activity,
         mode: PreloadMode,
+        lag_measured: Instant,
         report: &mut Report,
     ) -> anyhow::Result<()> {
         if activity.window(Utc::now()) != Window::Open {
             // Not selling: nothing to protect; the operator preloads before the start.
             return Ok(());
         }
+        let since = *self
+            .lost_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(activity.id.clone())
+            .or_insert_with(Instant::now);
+        let in_flight = self.kafka.publish_timeout() + PUBLISH_GRACE;
         if !activity.paused {
             report.paused_automatically = self.activities.auto_pause(&activity.id).await?;
             if report.paused_automatically {
@@ -232,13 +264,26 @@ impl Reconciler {
                 metrics::counter!("flashsale_activity_auto_paused_total").increment(1);
             }
         }
-        match self.rebuild(activity, mode, report.consumer_lag).await? {
+        let lag = if lag_measured.saturating_duration_since(since) >= in_flight {
+            report.consumer_lag
+        } else {
+            None
+        };
+        if lag.is_none() && report.consumer_lag.is_some() {
+            report.rebuild_waiting = true;
+            report.refused.push(format!(
+                "rebuild waits out publishes that were in flight when the loss was seen ({in_flight:?})"
+            ));
+            return Ok(());
+        }
+        match self.rebuild(activity, mode, lag).await? {
             Rebuild::Waiting(why) => {
                 report.rebuild_waiting = true;
                 report.refused.push(format!("rebuild {why}"));
                 return Ok(());
             }
             Rebuild::Built(build) => {
+                self.found(&activity.id);
                 report.rebuilt = true;
                 tracing::warn!(activity_id = %activity.id, available = build.available, buyers = build.buyers.len(), "activity rebuilt from MySQL");
                 metrics::counter!("flashsale_activity_rebuilt_total").increment(1);
