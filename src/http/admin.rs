@@ -11,7 +11,7 @@ use chrono::Utc;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::body;
+use super::{body, redis_down};
 use crate::activity::{is_valid_id, Activity, CreateError, NewActivity, Window};
 use crate::error::{AppError, AppResult};
 use crate::queue;
@@ -69,11 +69,6 @@ async fn refresh_cache(state: &AppState) {
     if let Err(err) = state.cache.refresh().await {
         tracing::warn!(error = %err, "activity cache refresh failed");
     }
-}
-
-fn redis_down(err: redis::RedisError) -> AppError {
-    tracing::warn!(error = %err, "redis call failed");
-    AppError::Unavailable("stock store unreachable")
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]

@@ -10,7 +10,7 @@ use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::body;
+use super::{body, redis_down};
 use crate::activity::{is_valid_sku, Activity, Admission, Window};
 use crate::auth::User;
 use crate::error::{AppError, AppResult};
@@ -176,7 +176,7 @@ pub async fn reserve(
             .waiting_room
             .may_reserve(&activity, &user.id, now)
             .await
-            .map_err(|e| room_down(&e))?
+            .map_err(redis_down)?
     {
         return Err(count(AppError::NotAdmitted));
     }
@@ -220,11 +220,6 @@ async fn settle_turn(
     if let Err(err) = state.waiting_room.settle(activity, &user.id, outcome).await {
         tracing::warn!(error = %err, activity_id = %activity.id, "settling a turn failed; it runs out by itself");
     }
-}
-
-fn room_down(err: &redis::RedisError) -> AppError {
-    tracing::warn!(error = %err, "waiting room unreachable");
-    AppError::Unavailable("stock store unreachable")
 }
 
 /// A user's ticket and place in a sale's waiting room.
@@ -347,7 +342,7 @@ pub async fn join_queue(
         .waiting_room
         .join(&activity, &user.id, now)
         .await
-        .map_err(|e| room_down(&e))?;
+        .map_err(redis_down)?;
     if joined_now {
         metrics::counter!("flashsale_waiting_room_joins_total").increment(1);
     }
@@ -355,7 +350,7 @@ pub async fn join_queue(
         .waiting_room
         .place(&activity, &user.id, now)
         .await
-        .map_err(|e| room_down(&e))?;
+        .map_err(redis_down)?;
     let place =
         QueuePlace::of(place).ok_or(AppError::Unavailable("the waiting room lost the join"))?;
     let status = if joined_now {
@@ -392,7 +387,7 @@ pub async fn queue_status(
         .waiting_room
         .place(&activity, &user.id, now)
         .await
-        .map_err(|e| room_down(&e))?;
+        .map_err(redis_down)?;
     let place = QueuePlace::of(place)
         .ok_or_else(|| AppError::not_found("this user has not joined the waiting room"))?;
     Ok(with_retry_after(StatusCode::OK, place, &activity, now))

@@ -47,6 +47,12 @@ fn own_page(html: &'static str) -> impl axum::response::IntoResponse {
         html,
     )
 }
+/// Redis could not be reached: `503`, logged, nothing held.
+pub(crate) fn redis_down(err: redis::RedisError) -> AppError {
+    tracing::warn!(error = %err, "redis call failed");
+    AppError::Unavailable("stock store unreachable")
+}
+
 pub use middleware::RateLimiters;
 pub use openapi::ApiDoc;
 pub use ops::healthz;

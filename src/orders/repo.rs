@@ -525,6 +525,19 @@ impl OrderRepo {
         Ok(cancelled)
     }
 
+    /// Units in an activity's orders awaiting payment: they come back if the
+    /// payment lapses.
+    pub async fn unpaid_units(&self, activity_id: &str) -> Result<i64, sqlx::Error> {
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT CAST(COALESCE(SUM(quantity), 0) AS SIGNED) FROM orders \
+             WHERE activity_id = ? AND status = 'pending_payment'",
+        )
+        .bind(activity_id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(n)
+    }
+
     /// Units held by live orders (awaiting payment or paid) of an activity.
     pub async fn live_units(&self, activity_id: &str) -> Result<i64, sqlx::Error> {
         let (n,): (i64,) = sqlx::query_as(

@@ -245,8 +245,8 @@ impl WaitingRoom {
             return Ok(());
         }
         let left = left.max(0);
-        let over =
-            now >= a.ends_at || (left == 0 && snap.pending == 0 && self.unpaid(a).await? == 0);
+        let over = now >= a.ends_at
+            || (left == 0 && snap.pending == 0 && self.unpaid(state, a).await? == 0);
         let until = now + chrono::Duration::from_std(turn).unwrap_or_default();
         let _: (i64, i64, i64) = self
             .run(
@@ -265,7 +265,7 @@ impl WaitingRoom {
     }
 
     /// Units in orders awaiting payment: they come back if the payment lapses.
-    async fn unpaid(&self, a: &Activity) -> anyhow::Result<i64> {
+    async fn unpaid(&self, state: &AppState, a: &Activity) -> anyhow::Result<i64> {
         if let Some((at, n)) = self
             .unpaid
             .lock()
@@ -276,14 +276,11 @@ impl WaitingRoom {
                 return Ok(*n);
             }
         }
-        let n: i64 = sqlx::query_scalar(
-            "SELECT CAST(COALESCE(SUM(quantity), 0) AS SIGNED) FROM orders \
-             WHERE activity_id = ? AND status = 'pending_payment'",
-        )
-        .bind(&a.id)
-        .fetch_one(&self.pool)
-        .await
-        .context("unpaid orders")?;
+        let n = state
+            .orders
+            .unpaid_units(&a.id)
+            .await
+            .context("unpaid orders")?;
         self.unpaid
             .lock()
             .unwrap_or_else(|e| e.into_inner())
