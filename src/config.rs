@@ -172,6 +172,9 @@ pub struct ConsumerSettings {
     /// Where `flashsale consume` serves `/metrics` and `/healthz`.
     #[serde(default = "default_consumer_metrics_addr")]
     pub metrics_addr: String,
+    /// The group session: a consumer silent this long loses its partitions.
+    pub session_timeout_ms: u64,
+    pub heartbeat_interval_ms: u64,
 }
 
 fn default_drain_delay_secs() -> u64 {
@@ -264,6 +267,11 @@ impl Settings {
         }
         if self.waiting_room.turn_secs == 0 || self.waiting_room.tick_ms == 0 {
             bail!("waiting_room.turn_secs and waiting_room.tick_ms must be positive");
+        }
+        if self.consumer.heartbeat_interval_ms == 0
+            || self.consumer.heartbeat_interval_ms * 3 > self.consumer.session_timeout_ms
+        {
+            bail!("consumer.heartbeat_interval_ms must be at least 1 and at most a third of consumer.session_timeout_ms");
         }
         if self.consumer.batch_size == 0 {
             bail!("consumer.batch_size must be at least 1");

@@ -338,9 +338,16 @@ async fn serve_consumer_ops(
 async fn replica_barrier(settings: &RedisSettings) -> anyhow::Result<Vec<RedisConn>> {
     const BARRIER_CONNECTIONS: usize = 8;
     let mut conns = Vec::new();
+    // A `WAIT` may take the whole ack timeout: the call's own bound is above it.
+    let settings = RedisSettings {
+        response_timeout_ms: settings
+            .response_timeout_ms
+            .max(settings.replica_ack_timeout_ms + 300),
+        ..settings.clone()
+    };
     if settings.min_replicas_acked > 0 {
         for _ in 0..BARRIER_CONNECTIONS {
-            conns.push(RedisConn::connect(settings).await?);
+            conns.push(RedisConn::connect(&settings).await?);
         }
     }
     Ok(conns)

@@ -30,11 +30,11 @@ pub async fn start_cluster(dir: &std::path::Path) -> anyhow::Result<RedisCluster
     let dir = dir.to_owned();
     tokio::task::spawn_blocking(move || {
         let c = RedisCluster::start(&dir);
-        c.wait_healthy(Duration::from_secs(60));
-        c
+        c.wait_healthy(Duration::from_secs(60)).map(|()| c)
     })
     .await
-    .context("the Redis Cluster did not start")
+    .context("the Redis Cluster did not start")?
+    .map_err(anyhow::Error::msg)
 }
 
 /// Sells the sale twice, `stock_shards` 1 then 3, through the service at `addr`

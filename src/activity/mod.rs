@@ -35,9 +35,13 @@ pub struct Activity {
     /// Paused by the service itself (its Redis state was lost); resumed by itself
     /// once rebuilt.
     pub auto_paused: bool,
-    /// How many times its Redis state was built from MySQL (0: never loaded).
+    /// How many builds of its Redis state from MySQL were begun (0: never loaded).
     #[serde(skip)]
     pub redis_epoch: u32,
+    /// The last build that was written whole into Redis: a Redis holding an older
+    /// one went back in time.
+    #[serde(skip)]
+    pub redis_built_epoch: u32,
     pub created_at: DateTime<Utc>,
 }
 

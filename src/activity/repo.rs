@@ -13,7 +13,7 @@ use crate::stock::Build;
 const COLUMNS: &str = "id, sku, stock, available, per_user_limit, stock_shards, \
                        CAST(admission AS CHAR) AS admission, \
                        waiting_room_secs, starts_at, ends_at, payment_timeout_secs, paused, \
-                       auto_paused, redis_epoch, created_at";
+                       auto_paused, redis_epoch, redis_built_epoch, created_at";
 
 /// Why a top-up was refused.
 #[derive(Debug, thiserror::Error)]
@@ -158,14 +158,32 @@ impl ActivityRepo {
     }
 
     /// Pauses an activity whose Redis state was lost, unless an operator paused it.
-    pub async fn auto_pause(&self, id: &str) -> Result<bool, sqlx::Error> {
+    ///
+    /// Only while the last build written is still `built_epoch`, the one the
+    /// caller saw before it found Redis lost: an instance that found the loss
+    /// late does not pause a sale another instance has already rebuilt.
+    pub async fn auto_pause(&self, id: &str, built_epoch: u32) -> Result<bool, sqlx::Error> {
         let done = sqlx::query(
-            "UPDATE activities SET paused = TRUE, auto_paused = TRUE WHERE id = ? AND paused = FALSE",
+            "UPDATE activities SET paused = TRUE, auto_paused = TRUE \
+             WHERE id = ? AND paused = FALSE AND redis_built_epoch = ?",
         )
         .bind(id)
+        .bind(built_epoch)
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected() == 1)
+    }
+
+    /// Records that build `epoch` was written whole into Redis.
+    pub async fn record_build(&self, id: &str, epoch: u32) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "UPDATE activities SET redis_built_epoch = GREATEST(redis_built_epoch, ?) WHERE id = ?",
+        )
+        .bind(epoch)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// Undoes an automatic pause (an operator's pause stays).

@@ -413,8 +413,14 @@ impl OrderConsumer {
             .set("auto.offset.reset", "earliest")
             .set("enable.partition.eof", "false")
             // A crashed consumer's partitions move to a live one after this.
-            .set("session.timeout.ms", "6000")
-            .set("heartbeat.interval.ms", "2000")
+            .set(
+                "session.timeout.ms",
+                settings.consumer.session_timeout_ms.to_string(),
+            )
+            .set(
+                "heartbeat.interval.ms",
+                settings.consumer.heartbeat_interval_ms.to_string(),
+            )
             .set("socket.connection.setup.timeout.ms", "2000")
             .create_with_context(RebalanceReport)
             .context("failed to create the Kafka consumer")?;

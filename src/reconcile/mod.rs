@@ -43,7 +43,7 @@ use crate::stock::{Audit, Build, Fate, PreloadMode, RefundOutcome, StockStore};
 
 const EXPIRED_BATCH: usize = 500;
 /// How soon a rebuild that waits for the consumers is tried again.
-const REBUILD_RETRY: Duration = Duration::from_secs(1);
+const REBUILD_RETRY: Duration = Duration::from_millis(250);
 /// How long one pass keeps retrying MySQL for the orders it honours.
 const HONOUR_TIMEOUT: Duration = Duration::from_secs(10);
 /// A transfer between stock shards older than this was left half done by its
@@ -166,8 +166,15 @@ impl Reconciler {
             checked_at: Utc::now(),
             ..Report::default()
         };
-        // Redis first, then the lag: a rebuild needs every message published
-        // before the loss was seen to have reached MySQL.
+        // MySQL's record of the builds first, then Redis: a build recorded before
+        // Redis is read is in what Redis shows, unless Redis went back in time.
+        let fresh = self
+            .activities
+            .get(&activity.id)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
+        // Redis, then the lag: a rebuild needs every message published before the
+        // loss was seen to have reached MySQL.
         let snapshot = self
             .stock
             .snapshot(&activity.id, activity.stock_shards)
@@ -192,28 +199,32 @@ impl Reconciler {
             } else {
                 PreloadMode::Missing
             };
-            self.recover(activity, mode, lag_measured, &mut report)
+            self.recover(&fresh, mode, lag_measured, &mut report)
                 .await?;
             return Ok(report);
         }
-        // A state older than MySQL's last build: a primary that went back in time
-        // (a failover to a replica that missed the build). Rebuilt like a loss.
+        // A state older than MySQL's last build written: a primary that went back
+        // in time (a failover to a replica that missed the build). Rebuilt like a
+        // loss. (A build begun elsewhere that wrote nothing is no sign of it.)
         if let Some(epoch) = snapshot.epoch {
-            let mysql_epoch = self
-                .activities
-                .get(&activity.id)
-                .await?
-                .map_or(0, |a| a.redis_epoch);
+            let mysql_epoch = fresh.redis_built_epoch;
             if epoch < mysql_epoch {
                 report.stale = true;
                 metrics::counter!("flashsale_redis_stale_state_total").increment(1);
                 tracing::error!(incident = true, activity_id = %activity.id, epoch, mysql_epoch, "Redis holds an older build of the activity");
-                self.recover(activity, PreloadMode::Force, lag_measured, &mut report)
+                self.recover(&fresh, PreloadMode::Force, lag_measured, &mut report)
                     .await?;
                 return Ok(report);
             }
         }
         self.found(&activity.id);
+        // Loaded and current, yet paused for a loss: the rebuild that should have
+        // resumed it died, or this pause came from an instance that saw the loss
+        // after another had rebuilt it. The loss is over; the sale goes on.
+        if fresh.auto_paused && self.activities.auto_resume(&activity.id).await? {
+            report.resumed = true;
+            tracing::warn!(activity_id = %activity.id, "resumed a sale paused for a Redis loss that is over");
+        }
         self.decide_expired(activity, &mut report).await?;
         report.transfers_finished = self
             .stock
@@ -258,7 +269,10 @@ impl Reconciler {
             .or_insert_with(Instant::now);
         let in_flight = self.kafka.publish_timeout() + PUBLISH_GRACE;
         if !activity.paused {
-            report.paused_automatically = self.activities.auto_pause(&activity.id).await?;
+            report.paused_automatically = self
+                .activities
+                .auto_pause(&activity.id, activity.redis_built_epoch)
+                .await?;
             if report.paused_automatically {
                 tracing::warn!(activity_id = %activity.id, "Redis lost the activity; paused it");
                 metrics::counter!("flashsale_activity_auto_paused_total").increment(1);
@@ -389,6 +403,11 @@ impl Reconciler {
             .stock
             .preload(&activity.id, activity.stock_shards, &build, mode)
             .await?;
+        if built {
+            self.activities
+                .record_build(&activity.id, build.epoch)
+                .await?;
+        }
         Ok(if built {
             Rebuild::Built(build)
         } else {

@@ -249,7 +249,9 @@ impl Lua {
 }
 
 /// Runs a script by its SHA; on `NOSCRIPT` (a restarted or failed-over Redis)
-/// sends its code once, which loads it again.
+/// sends its code once to that same node, which loads it again. (redis-rs's own
+/// `Script::invoke_async` answers `NOSCRIPT` on a Cluster by loading the script on
+/// every node, which fails while any node is down: during a failover.)
 pub(crate) async fn invoke<T: redis::FromRedisValue>(
     conn: &RedisConn,
     lua: &Lua,
@@ -257,14 +259,14 @@ pub(crate) async fn invoke<T: redis::FromRedisValue>(
     args: &[Vec<u8>],
 ) -> RedisResult<T> {
     let mut conn = conn.clone();
-    let mut invocation = lua.script.prepare_invoke();
-    for k in keys {
-        invocation.key(*k);
-    }
-    for a in args {
-        invocation.arg(a.as_slice());
-    }
-    match invocation.invoke_async(&mut conn).await {
+    let by_sha = redis::cmd("EVALSHA")
+        .arg(lua.script.get_hash())
+        .arg(keys.len())
+        .arg(keys)
+        .arg(args)
+        .query_async(&mut conn)
+        .await;
+    match by_sha {
         Err(err) if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
             metrics::counter!("flashsale_redis_script_eval_fallbacks_total").increment(1);
             redis::cmd("EVAL")
@@ -884,10 +886,16 @@ impl StockStore {
         let k = Keys::of_reservation(activity_id, reservation_id);
         let i = b.next.fetch_add(1, Ordering::Relaxed) % b.conns.len();
         let mut conn = b.conns[i].clone();
-        let _: i64 = conn.incr(&k.barrier, 1).await?;
-        let mut wait = redis::cmd("WAIT");
-        wait.arg(b.replicas).arg(b.timeout_ms);
-        let acked: u32 = conn.route_by_key(&wait, &k.barrier).await?;
+        // One pipeline: the bump and the `WAIT` reach the same node, the primary
+        // that owns the barrier's slot (a `WAIT` routed on its own could land on
+        // another node during a failover and count that node's replicas).
+        let (_, acked): (i64, u32) = redis::pipe()
+            .incr(&k.barrier, 1)
+            .cmd("WAIT")
+            .arg(b.replicas)
+            .arg(b.timeout_ms)
+            .query_async(&mut conn)
+            .await?;
         Ok(acked >= b.replicas)
     }
 

@@ -11,6 +11,7 @@
 //! - [`invariants`]: waiting until a sale is quiet, then checking DESIGN.md's four
 //!   invariants against MySQL, Redis and the answers the clients got.
 
+pub mod availability;
 pub mod browser;
 pub mod invariants;
 pub mod process;

@@ -269,6 +269,124 @@ impl Redis {
     }
 }
 
+/// A primary with two replicas, watched by three sentinels (quorum 2), as
+/// deployments that use Sentinel instead of Cluster run it; all on free ports.
+/// `down-after-milliseconds` is 2 s, as the Cluster's node timeout.
+pub struct RedisSentinel {
+    pub nodes: Vec<Redis>,
+    sentinels: Vec<(u16, Proc)>,
+}
+
+/// The name the sentinels monitor the primary under.
+pub const SENTINEL_MASTER: &str = "flashsale";
+
+impl RedisSentinel {
+    pub fn start(dir: &Path) -> Result<Self, String> {
+        let primary = Redis::start(dir);
+        let mut nodes = vec![Redis::start_replica(dir, primary.port)];
+        nodes.push(Redis::start_replica(dir, primary.port));
+        nodes.insert(0, primary);
+        let mut sentinels = Vec::new();
+        for _ in 0..3 {
+            let port = free_port();
+            let home = dir.join(format!("sentinel-{port}"));
+            std::fs::create_dir_all(&home).map_err(|e| e.to_string())?;
+            // Sentinel rewrites its config file as it learns: one of its own.
+            let conf = home.join("sentinel.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                     sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary} 2\n\
+                     sentinel down-after-milliseconds {SENTINEL_MASTER} 2000\n\
+                     sentinel failover-timeout {SENTINEL_MASTER} 10000\n\
+                     sentinel parallel-syncs {SENTINEL_MASTER} 2\n",
+                    dir = home.display(),
+                    primary = nodes[0].port,
+                ),
+            )
+            .map_err(|e| e.to_string())?;
+            let mut cmd = Command::new(which("redis-server", &["/usr/bin/redis-server"]));
+            cmd.arg(&conf).arg("--sentinel").current_dir(&home);
+            sentinels.push((
+                port,
+                Proc::spawn("sentinel", cmd, home.join("sentinel.log")),
+            ));
+            wait_for_port(port, Duration::from_secs(10), "redis sentinel");
+        }
+        let s = RedisSentinel { nodes, sentinels };
+        s.wait_healthy(Duration::from_secs(30))?;
+        Ok(s)
+    }
+
+    /// `redis+sentinel://` with every sentinel and the monitored name.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|(port, _)| format!("127.0.0.1:{port}"))
+            .collect();
+        format!("redis+sentinel://{}/{SENTINEL_MASTER}", hosts.join(","))
+    }
+
+    /// The primary's port as every sentinel names it now (`None` while they
+    /// disagree).
+    pub fn primary(&self) -> Option<u16> {
+        let mut named = self.sentinels.iter().map(|(port, _)| {
+            let out = redis_cli(&[
+                "-p",
+                &port.to_string(),
+                "sentinel",
+                "get-master-addr-by-name",
+                SENTINEL_MASTER,
+            ]);
+            out.lines()
+                .nth(1)
+                .and_then(|p| p.trim().parse::<u16>().ok())
+        });
+        let first = named.next()??;
+        named.all(|p| p == Some(first)).then_some(first)
+    }
+
+    /// Waits until the sentinels agree on a primary that has two replicas
+    /// online, each of them synced.
+    pub fn wait_healthy(&self, within: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let healthy = self.primary().is_some_and(|p| {
+                let info = redis_cli(&["-p", &p.to_string(), "info", "replication"]);
+                info.contains("role:master")
+                    && info.contains("connected_slaves:2")
+                    && info.matches("state=online").count() == 2
+            });
+            if healthy {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "the Sentinel deployment was not healthy within {within:?}"
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// SIGKILLs the node on `port`.
+    pub fn kill(&mut self, port: u16) {
+        if let Some(n) = self.nodes.iter_mut().find(|n| n.port == port) {
+            n.kill();
+        }
+    }
+
+    /// Starts the node on `port` again, empty, as its supervisor would; the
+    /// sentinels turn a returning old primary into a replica.
+    pub fn restart(&mut self, port: u16) {
+        if let Some(n) = self.nodes.iter_mut().find(|n| n.port == port) {
+            n.restart_empty();
+        }
+    }
+}
+
 /// A Redis Cluster of a test's own on free ports: 3 primaries with 2 replicas
 /// each, so a primary that fails over still leaves its successor a replica.
 pub struct RedisCluster {
@@ -309,14 +427,16 @@ impl RedisCluster {
         args.extend(["--cluster-replicas", "2", "--cluster-yes"]);
         redis_cli(&args);
         let cluster = RedisCluster { nodes };
-        cluster.wait_healthy(Duration::from_secs(30));
+        if let Err(e) = cluster.wait_healthy(Duration::from_secs(30)) {
+            panic!("{e}");
+        }
         cluster
     }
 
     /// Waits until every live node reports `cluster_state:ok`, every replica has
     /// synced and every primary has an online replica (a `WAIT` for one replica
     /// can succeed).
-    pub fn wait_healthy(&self, within: Duration) {
+    pub fn wait_healthy(&self, within: Duration) -> Result<(), String> {
         let deadline = Instant::now() + within;
         loop {
             let ok = self.nodes.iter().filter(|n| n.proc.is_some()).all(|n| {
@@ -334,12 +454,13 @@ impl RedisCluster {
                             && replication.contains("state=online")))
             });
             if ok {
-                return;
+                return Ok(());
             }
-            assert!(
-                Instant::now() < deadline,
-                "the Redis Cluster never became healthy"
-            );
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "the Redis Cluster was not healthy within {within:?}"
+                ));
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -383,6 +504,14 @@ impl RedisCluster {
     pub fn kill(&mut self, port: u16) {
         if let Some(n) = self.nodes.iter_mut().find(|n| n.port == port) {
             n.kill();
+        }
+    }
+
+    /// Starts the node on `port` again, as its supervisor would: same address,
+    /// same `nodes.conf`, nothing in memory.
+    pub fn restart(&mut self, port: u16) {
+        if let Some(n) = self.nodes.iter_mut().find(|n| n.port == port) {
+            n.restart_empty();
         }
     }
 }

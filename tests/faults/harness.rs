@@ -10,8 +10,11 @@ use flashsale::auth::Auth;
 use flashsale::config::{KafkaSettings, Settings};
 use futures::future::BoxFuture;
 use secrecy::ExposeSecret;
+use testkit::availability::{Outage, Prober, Sample};
 use testkit::invariants::{Answer, Figures, Probe};
-use testkit::process::{flashsale, Broker, Env, MariaDb, Proc, Redis, RedisCluster, Service};
+use testkit::process::{
+    flashsale, Broker, Env, MariaDb, Proc, Redis, RedisCluster, RedisSentinel, Service,
+};
 use testkit::relay::Relay;
 use testkit::sale::{open_sale, SaleSpec};
 use testkit::unique;
@@ -20,6 +23,10 @@ pub const USERS: usize = 600;
 pub const CLICKS: usize = 2;
 pub const STOCK: u32 = 100;
 const RATE_PER_SEC: u64 = 250;
+/// One new buyer this often, from the fault until service is back and watched.
+const PROBE_EVERY: Duration = Duration::from_millis(50);
+/// How long service is watched once back, for a second gap.
+const WATCH_AFTER_RECOVERY: Duration = Duration::from_secs(2);
 /// Short on purpose: the promise must hold for any deadline, a few seconds too.
 pub const PENDING_DEADLINE_SECS: u64 = 2;
 pub const PUBLISH_TIMEOUT_MS: u64 = 1500;
@@ -42,6 +49,40 @@ pub trait Fault: Send + Sync {
     fn expect(&self, _run: &Run, _figures: &Figures) -> Result<(), String> {
         Ok(())
     }
+    /// How long new buyers may go without service (DESIGN.md, Availability),
+    /// counted from the fault, or from its end where `inject` calls
+    /// [`Run::fault_over`]. By default the bound for a dependency that is back.
+    fn availability(&self) -> Target {
+        Target::within(BACK_BOUND)
+    }
+}
+
+/// A process or server that is back serves again within this.
+pub const BACK_BOUND: Duration = Duration::from_secs(2);
+/// A Redis that lost the sale: the wait for publishes in flight, then the build.
+pub const REBUILD_BOUND: Duration = Duration::from_millis(PUBLISH_TIMEOUT_MS + 2000);
+/// A Redis Cluster primary killed (`cluster-node-timeout` 2 s): its replica is
+/// promoted and the services follow it.
+pub const FAILOVER_BOUND: Duration = Duration::from_secs(5);
+/// An API instance killed costs the others nothing: the next request is served.
+pub const NONE_BOUND: Duration = Duration::from_millis(500);
+
+/// A scenario's availability target.
+#[derive(Debug, Clone, Copy)]
+pub struct Target {
+    /// Time without service, from the mark to the first real answer.
+    pub bound: Duration,
+    /// Once service is back, the longest a new buyer may wait again.
+    pub later: Duration,
+}
+
+impl Target {
+    pub const fn within(bound: Duration) -> Target {
+        Target {
+            bound,
+            later: bound,
+        }
+    }
 }
 
 /// Decided before any process starts.
@@ -51,8 +92,10 @@ pub struct Setup {
     pub own_broker: bool,
     /// A replica of the scenario's Redis, both behind a relay.
     pub redis_replica: bool,
-    /// A Redis Cluster of its own (3 primaries, 3 replicas) instead of one node.
+    /// A Redis Cluster of its own (3 primaries, 6 replicas) instead of one node.
     pub redis_cluster: bool,
+    /// A primary, two replicas and three sentinels of its own instead of one node.
+    pub redis_sentinel: bool,
     pub services: usize,
     /// The consumer runs as its own `flashsale consume`, not inside `serve`.
     pub separate_consumer: bool,
@@ -80,6 +123,7 @@ pub struct Run {
     pub replica: Option<Redis>,
     pub redis_relay: Option<Relay>,
     pub cluster: Option<RedisCluster>,
+    pub sentinel: Option<RedisSentinel>,
     pub mariadb: Option<MariaDb>,
     pub broker: Option<Broker>,
     pub services: Vec<Service>,
@@ -104,39 +148,28 @@ pub struct Run {
     pub extra_answers: Vec<Answer>,
     /// Whether the consumer runs apart (`flashsale consume`), not in `serve`.
     pub separate_consumer: bool,
+    /// When a fault that lasts ended (`fault_over`); its time without service
+    /// counts from here.
+    pub fault_ended: Option<Instant>,
 }
 
 impl Run {
+    /// The fault is over (the broker is back, the database restarted): the time
+    /// without service counts from now.
+    pub fn fault_over(&mut self) {
+        self.fault_ended = Some(Instant::now());
+    }
+
     pub fn redis_url(&self) -> String {
         if let Some(c) = &self.cluster {
             return c.url();
         }
+        if let Some(s) = &self.sentinel {
+            return s.url();
+        }
         match &self.redis_relay {
             Some(r) => format!("redis://127.0.0.1:{}", r.port),
             None => self.redis.url(),
-        }
-    }
-
-    /// One reservation by `user`, retried while it answers 503 (a failover in
-    /// progress) for at most `limit`; its answer joins the checked ones.
-    pub async fn reserve_until_answered(&mut self, user: &str, limit: Duration) -> Answer {
-        let token = test_auth().issue(user, 3600).unwrap_or_default();
-        let deadline = Instant::now() + limit;
-        loop {
-            let answer = Answer::from_response(
-                self.client
-                    .post(format!("{}/flash/{}/reserve", self.base(), self.sku))
-                    .bearer_auth(&token)
-                    .send()
-                    .await,
-            )
-            .await;
-            if answer.status != Some(503) || Instant::now() > deadline {
-                self.extra_answers.push(answer.clone());
-                return answer;
-            }
-            self.extra_answers.push(answer);
-            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
@@ -267,6 +300,8 @@ pub fn test_auth() -> Auth {
 pub struct Row {
     pub figures: Figures,
     pub reconcile_calls: usize,
+    pub outage: Outage,
+    pub target: Option<Target>,
 }
 
 pub async fn scenario(fault: &dyn Fault) -> Result<Row, String> {
@@ -324,6 +359,12 @@ async fn start(setup: &Setup) -> Result<Run, String> {
     let cluster = setup
         .redis_cluster
         .then(|| tokio::task::block_in_place(|| RedisCluster::start(dir.path())));
+    let sentinel = match setup.redis_sentinel {
+        true => Some(tokio::task::block_in_place(|| {
+            RedisSentinel::start(dir.path())
+        })?),
+        false => None,
+    };
     let redis_relay = match &replica {
         Some(r) => {
             testkit::within(Duration::from_secs(20), "the replica to sync", || async {
@@ -359,10 +400,11 @@ async fn start(setup: &Setup) -> Result<Run, String> {
         env!("CARGO_BIN_EXE_flashsale"),
         Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
     );
-    let redis_url = match (&cluster, &redis_relay) {
-        (Some(c), _) => c.url(),
-        (None, Some(r)) => format!("redis://127.0.0.1:{}", r.port),
-        (None, None) => redis.url(),
+    let redis_url = match (&cluster, &sentinel, &redis_relay) {
+        (Some(c), _, _) => c.url(),
+        (None, Some(s), _) => s.url(),
+        (None, None, Some(r)) => format!("redis://127.0.0.1:{}", r.port),
+        (None, None, None) => redis.url(),
     };
     env.set("FLASHSALE__REDIS__URL", &redis_url);
     env.set("FLASHSALE__MYSQL__URL", &root_mysql_url);
@@ -411,6 +453,7 @@ async fn start(setup: &Setup) -> Result<Run, String> {
         replica,
         redis_relay,
         cluster,
+        sentinel,
         mariadb,
         broker,
         services: Vec::new(),
@@ -434,6 +477,7 @@ async fn start(setup: &Setup) -> Result<Run, String> {
         background_counts: Vec::new(),
         extra_answers: Vec::new(),
         separate_consumer: setup.separate_consumer,
+        fault_ended: None,
         dir,
     };
     if setup.own_mysql_user {
@@ -551,14 +595,26 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
         run.client.clone(),
         targets.clone(),
         run.sku.clone(),
-        auth,
+        auth.clone(),
         sent.clone(),
     ));
     let total = USERS * CLICKS;
     while sent.load(Ordering::SeqCst) < total / 20 {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // New buyers beside the load, from the fault on, so the time without service
+    // shows even once the load is over.
+    let prober = Prober::start(
+        run.client.clone(),
+        targets.to_vec(),
+        run.sku.clone(),
+        auth,
+        "probe-".into(),
+        PROBE_EVERY,
+    );
+    let struck = Instant::now();
     fault.inject(run).await?;
+    let mark = run.fault_ended.unwrap_or(struck);
     // The CLI's reconciler too, mid-sale.
     let mut cli = flashsale(
         &["reconcile", "--activity", &run.activity_id],
@@ -569,7 +625,18 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
     wait_exit(&mut cli, Duration::from_secs(60))?;
     reconcile_calls.fetch_add(1, Ordering::SeqCst);
 
-    let mut answers = load.await.map_err(|e| format!("load task: {e}"))?;
+    let mut samples = load.await.map_err(|e| format!("load task: {e}"))?;
+    // Service back (or a minute without it), then a while more for a second gap.
+    let served_after = |samples: &[Sample]| samples.iter().any(|s| s.sent >= mark && s.served());
+    let _ = testkit::within(Duration::from_secs(60), "a new buyer served", || async {
+        (served_after(&samples) || served_after(&prober.samples())).then_some(())
+    })
+    .await;
+    tokio::time::sleep(WATCH_AFTER_RECOVERY).await;
+    samples.extend(prober.stop().await);
+    let outage = Outage::measure(&samples, mark);
+    let timeline = Outage::timeline(&samples, mark, Duration::from_millis(250));
+    let mut answers: Vec<Answer> = samples.into_iter().map(|s| s.answer).collect();
     answers.push(warmup);
     answers.append(&mut run.extra_answers);
     let probe = run.probe();
@@ -588,9 +655,15 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
         return Err(format!("only {} answers recorded", answers.len()));
     }
     fault.expect(run, &figures)?;
+    let target = fault.availability();
+    outage.within(target.bound, target.later).map_err(|e| {
+        format!("{e}\nanswers received per 250 ms from the fault (served/not): {timeline}")
+    })?;
     Ok(Row {
         figures,
         reconcile_calls: reconcile_calls.load(Ordering::SeqCst),
+        outage,
+        target: Some(target),
     })
 }
 
@@ -640,7 +713,7 @@ async fn load(
     sku: String,
     auth: Auth,
     sent: Arc<AtomicUsize>,
-) -> Vec<Answer> {
+) -> Vec<Sample> {
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / RATE_PER_SEC));
     let mut tasks = Vec::with_capacity(USERS * CLICKS);
     for i in 0..USERS * CLICKS {
@@ -650,7 +723,7 @@ async fn load(
         let url = format!("{}/flash/{sku}/reserve", targets[i % targets.len()]);
         let client = client.clone();
         tasks.push(tokio::spawn(async move {
-            Answer::from_response(client.post(url).bearer_auth(token).send().await).await
+            Sample::take(client.post(url).bearer_auth(token)).await
         }));
         sent.fetch_add(1, Ordering::SeqCst);
     }

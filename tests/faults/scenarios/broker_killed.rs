@@ -24,6 +24,7 @@ impl Fault for BrokerKilled {
             broker.kill();
             tokio::time::sleep(Duration::from_millis(1500)).await;
             tokio::task::block_in_place(|| broker.start_again());
+            run.fault_over();
             Ok(())
         })
     }

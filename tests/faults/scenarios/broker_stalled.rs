@@ -27,6 +27,7 @@ impl Fault for BrokerStalled {
             broker.pause();
             tokio::time::sleep(Duration::from_millis(PUBLISH_TIMEOUT_MS * 3)).await;
             broker.resume();
+            run.fault_over();
             Ok(())
         })
     }

@@ -27,6 +27,7 @@ impl Fault for MariaDbStopped {
             m.kill();
             tokio::time::sleep(Duration::from_millis(1500)).await;
             tokio::task::block_in_place(|| m.start_again());
+            run.fault_over();
             Ok(())
         })
     }

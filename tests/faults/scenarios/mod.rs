@@ -13,6 +13,7 @@ mod preload_during_sale;
 mod redis_failover;
 mod redis_restarted_empty;
 mod script_cache_flushed;
+mod sentinel_failover;
 mod service_killed;
 mod three_instances;
 mod two_instances;
@@ -40,5 +41,6 @@ pub fn all() -> Vec<Arc<dyn Fault>> {
         Arc::new(preload_during_sale::PreloadDuringSale),
         Arc::new(cluster_failover::ClusterFailover { shards: 1 }),
         Arc::new(cluster_failover::ClusterFailover { shards: 3 }),
+        Arc::new(sentinel_failover::SentinelFailover),
     ]
 }

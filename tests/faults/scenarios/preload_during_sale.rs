@@ -59,6 +59,8 @@ impl Fault for PreloadDuringSale {
             if Self::admin(run, "resume").await? != 200 {
                 return Err("resume refused".into());
             }
+            // Paused on purpose until here: service counts from the resume.
+            run.fault_over();
             run.background_counts.push(usize::from(first));
             Ok(())
         })

@@ -12,7 +12,7 @@ use futures::future::BoxFuture;
 
 use testkit::process::Redis;
 
-use crate::harness::{Fault, Run, Setup};
+use crate::harness::{Fault, Run, Setup, Target, REBUILD_BOUND};
 
 pub struct RedisFailover;
 
@@ -39,6 +39,8 @@ impl Fault for RedisFailover {
             promoted.promote().await?;
             let to = format!("127.0.0.1:{}", promoted.port);
             run.redis_relay.as_ref().ok_or("no relay")?.retarget(&to);
+            // The failover is done: service counts from here.
+            run.fault_over();
             // The new primary gets a replica of its own, so the sale goes on.
             let dir = run.dir.path().to_owned();
             let port = promoted.port;
@@ -48,6 +50,11 @@ impl Fault for RedisFailover {
             run.redis = promoted;
             Ok(())
         })
+    }
+    /// A promoted replica that missed writes is rebuilt like a Redis that
+    /// restarted empty: the wait for publishes in flight, then the build.
+    fn availability(&self) -> Target {
+        Target::within(REBUILD_BOUND)
     }
     fn expect(&self, _run: &Run, f: &testkit::invariants::Figures) -> Result<(), String> {
         // The sale goes on after the failover: every unit is sold.

@@ -3,7 +3,7 @@
 
 use futures::future::BoxFuture;
 
-use crate::harness::{Fault, Run};
+use crate::harness::{Fault, Run, Target, REBUILD_BOUND};
 
 pub struct RedisRestartedEmpty;
 
@@ -19,5 +19,8 @@ impl Fault for RedisRestartedEmpty {
             tokio::task::block_in_place(|| run.redis.restart_empty());
             Ok(())
         })
+    }
+    fn availability(&self) -> Target {
+        Target::within(REBUILD_BOUND)
     }
 }

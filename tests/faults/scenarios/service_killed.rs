@@ -1,11 +1,12 @@
-//! The service is SIGKILLed mid-sale (reservations between Redis and the broker
-//! die with it) and restarted on the same port.
+//! One of two service instances is SIGKILLed mid-sale (reservations between
+//! Redis and the broker die with it) and restarted on the same port; the other
+//! goes on serving, as it would behind a load balancer.
 
 use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use crate::harness::{Fault, Run};
+use crate::harness::{Fault, Run, Setup, Target, NONE_BOUND};
 
 pub struct ServiceKilled;
 
@@ -14,7 +15,10 @@ impl Fault for ServiceKilled {
         "service_killed"
     }
     fn name(&self) -> &'static str {
-        "service SIGKILLed mid-sale, restarted"
+        "one of two services SIGKILLed mid-sale, restarted"
+    }
+    fn prepare(&self, setup: &mut Setup) {
+        setup.services = 2;
     }
     fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
@@ -23,5 +27,8 @@ impl Fault for ServiceKilled {
             tokio::task::block_in_place(|| run.services[0].start_again());
             Ok(())
         })
+    }
+    fn availability(&self) -> Target {
+        Target::within(NONE_BOUND)
     }
 }
