@@ -27,7 +27,7 @@ use crate::periodic;
 use crate::queue::{self, Publisher};
 use crate::reconcile::{Reconciler, Report};
 use crate::state::{AppState, Inner};
-use crate::stock::{RedisConn, StockStore};
+use crate::stock::{Family, RedisConn, StockStore};
 use crate::telemetry;
 use crate::waiting_room::WaitingRoom;
 
@@ -87,7 +87,9 @@ impl Application {
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
         let metrics = telemetry::metrics_handle()?;
         let pool = connect_mysql(&settings.mysql).await?;
-        let redis = RedisConn::connect(&settings.redis).await?;
+        // The shared connection and the replica barrier's follow failovers together.
+        let redis_family = Family::default();
+        let redis = RedisConn::connect_in(&settings.redis, &redis_family).await?;
         let publisher = Publisher::new(&settings.kafka)?;
         create_topics(&settings).await?;
         let activities = ActivityRepo::new(pool.clone());
@@ -108,7 +110,7 @@ impl Application {
         let limiters = RateLimiters::new(&settings.rate_limit);
         let waiting_room = WaitingRoom::new(redis.clone(), pool.clone());
         let stock = StockStore::new(redis).with_replica_barrier(
-            replica_barrier(&settings.redis).await?,
+            replica_barrier(&settings.redis, &redis_family).await?,
             settings.redis.min_replicas_acked,
             Duration::from_millis(settings.redis.replica_ack_timeout_ms),
         );
@@ -335,7 +337,10 @@ async fn serve_consumer_ops(
 /// Connections of their own for the replica barrier (see `StockStore::replicated`),
 /// when replicas are required: a few, so a lagging replica blocks only a few
 /// winners at a time and never the shared connection.
-async fn replica_barrier(settings: &RedisSettings) -> anyhow::Result<Vec<RedisConn>> {
+async fn replica_barrier(
+    settings: &RedisSettings,
+    family: &Family,
+) -> anyhow::Result<Vec<RedisConn>> {
     const BARRIER_CONNECTIONS: usize = 8;
     let mut conns = Vec::new();
     // A `WAIT` may take the whole ack timeout: the call's own bound is above it.
@@ -347,7 +352,7 @@ async fn replica_barrier(settings: &RedisSettings) -> anyhow::Result<Vec<RedisCo
     };
     if settings.min_replicas_acked > 0 {
         for _ in 0..BARRIER_CONNECTIONS {
-            conns.push(RedisConn::connect(&settings).await?);
+            conns.push(RedisConn::connect_in(&settings, family).await?);
         }
     }
     Ok(conns)

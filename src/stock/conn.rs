@@ -21,7 +21,7 @@
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -105,8 +105,41 @@ impl Topology {
     }
 }
 
+/// Handles that follow a failover together: when one rebuilds its connection,
+/// the others rebuild theirs at once instead of each waiting for an error of its
+/// own (the replica barrier's connections beside the shared one).
+#[derive(Clone, Default)]
+pub struct Family(Arc<Mutex<Vec<Weak<Heal>>>>);
+
+impl Family {
+    fn join(&self, heal: &Arc<Heal>) {
+        let mut members = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        members.retain(|m| m.strong_count() > 0);
+        members.push(Arc::downgrade(heal));
+    }
+
+    fn rebuild_all_but(&self, rebuilt: &Arc<Heal>) {
+        let members: Vec<Arc<Heal>> = self
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|m| !Arc::ptr_eq(m, rebuilt))
+            .collect();
+        for m in members {
+            Heal::rebuild(&m, "another connection to the same Redis was rebuilt");
+        }
+    }
+}
+
 impl RedisConn {
     pub async fn connect(settings: &RedisSettings) -> anyhow::Result<Self> {
+        Self::connect_in(settings, &Family::default()).await
+    }
+
+    /// Connects, as one of `family`.
+    pub async fn connect_in(settings: &RedisSettings, family: &Family) -> anyhow::Result<Self> {
         let connection_timeout = Duration::from_millis(settings.connection_timeout_ms);
         let response_timeout = Duration::from_millis(settings.response_timeout_ms);
         match Topology::parse(&settings.url)? {
@@ -135,6 +168,7 @@ impl RedisConn {
                 Ok(RedisConn::Cluster(Healing::new(
                     Live::Cluster(conn),
                     Source::Cluster(client),
+                    family,
                 )))
             }
             Topology::Sentinel { sentinels, master } => {
@@ -151,6 +185,7 @@ impl RedisConn {
                 Ok(RedisConn::Sentinel(Healing::new(
                     Live::Sentinel(conn),
                     Source::Sentinel(Box::new(tokio::sync::Mutex::new(client)), config),
+                    family,
                 )))
             }
             Topology::Single(url) => {
@@ -204,10 +239,11 @@ impl ConnectionLike for RedisConn {
 #[derive(Clone)]
 pub struct Healing(Arc<Heal>);
 
-struct Heal {
+pub struct Heal {
     /// The connection in use and its generation (bumped by each rebuild).
     live: RwLock<(u64, Live)>,
     source: Source,
+    family: Family,
     rebuilding: AtomicBool,
     last_rebuild: Mutex<Option<Instant>>,
     rebuilds: AtomicU64,
@@ -228,14 +264,17 @@ enum Source {
 }
 
 impl Healing {
-    fn new(live: Live, source: Source) -> Self {
-        Healing(Arc::new(Heal {
+    fn new(live: Live, source: Source, family: &Family) -> Self {
+        let heal = Arc::new(Heal {
             live: RwLock::new((0, live)),
             source,
+            family: family.clone(),
             rebuilding: AtomicBool::new(false),
             last_rebuild: Mutex::new(None),
             rebuilds: AtomicU64::new(0),
-        }))
+        });
+        family.join(&heal);
+        Healing(heal)
     }
 
     /// How many times this handle rebuilt its connection.
@@ -301,40 +340,54 @@ impl Healing {
         if self.0.live.read().unwrap_or_else(|e| e.into_inner()).0 != generation {
             return; // already replaced since this call began
         }
+        if self
+            .0
+            .last_rebuild
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some_and(|t| t.elapsed() < REBUILD_EVERY)
         {
-            let mut last = self
-                .0
-                .last_rebuild
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            if last.is_some_and(|t| t.elapsed() < REBUILD_EVERY) {
-                return;
-            }
-            if self.0.rebuilding.swap(true, Ordering::AcqRel) {
-                return;
-            }
-            *last = Some(Instant::now());
+            return;
         }
-        tracing::warn!(error = %error, "Redis topology moved; reconnecting");
-        let heal = self.0.clone();
-        tokio::spawn(async move {
-            match heal.build().await {
-                Ok(live) => {
-                    let mut slot = heal.live.write().unwrap_or_else(|e| e.into_inner());
-                    *slot = (slot.0 + 1, live);
-                    heal.rebuilds.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("flashsale_redis_reconnects_total").increment(1);
-                }
-                Err(err) => {
-                    tracing::warn!(error = %err, "Redis reconnect failed; the next error tries again")
-                }
-            }
-            heal.rebuilding.store(false, Ordering::Release);
-        });
+        Heal::rebuild(&self.0, &error.to_string());
     }
 }
 
 impl Heal {
+    /// Starts one rebuild in the background, unless one is under way; the
+    /// others of its family follow once it succeeds.
+    fn rebuild(heal: &Arc<Heal>, why: &str) {
+        if heal.rebuilding.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        *heal.last_rebuild.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        tracing::warn!(why, "Redis topology moved; reconnecting");
+        let heal = heal.clone();
+        tokio::spawn(async move {
+            let began = Instant::now();
+            match heal.build().await {
+                Ok(live) => {
+                    tracing::info!(
+                        took_ms = began.elapsed().as_millis() as u64,
+                        "Redis connection rebuilt"
+                    );
+                    {
+                        let mut slot = heal.live.write().unwrap_or_else(|e| e.into_inner());
+                        *slot = (slot.0 + 1, live);
+                    }
+                    heal.rebuilds.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("flashsale_redis_reconnects_total").increment(1);
+                    heal.rebuilding.store(false, Ordering::Release);
+                    heal.family.rebuild_all_but(&heal);
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "Redis reconnect failed; the next error tries again");
+                    heal.rebuilding.store(false, Ordering::Release);
+                }
+            }
+        });
+    }
+
     async fn build(&self) -> RedisResult<Live> {
         match &self.source {
             Source::Cluster(client) => client.get_async_connection().await.map(Live::Cluster),

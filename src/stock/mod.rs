@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use redis::{AsyncCommands, RedisResult, Script};
 
-pub use conn::RedisConn;
+pub use conn::{Family, RedisConn};
 pub use keys::{
     deal, home_shard, is_valid_reservation_id, new_reservation_id, shard_of, Keys, RoomKeys,
 };

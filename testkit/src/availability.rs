@@ -65,9 +65,9 @@ impl Outage {
     /// Every request sent at or after `mark` that went unserved opens a stretch
     /// without service, which lasts until the first real answer to a request
     /// sent at or after it; overlapping stretches are one outage. The time
-    /// without service runs from the mark to the end of the outage that begins
-    /// within [`BITES_WITHIN`] of it (or, with none, to the first real answer);
-    /// any outage after that one is a later gap.
+    /// without service runs from the mark to the end of the last outage that
+    /// begins within [`BITES_WITHIN`] of it (or, with none, to the first real
+    /// answer); any outage after those is a later gap.
     pub fn measure(samples: &[Sample], mark: Instant) -> Outage {
         let mut served: Vec<&Sample> = samples.iter().filter(|s| s.served()).collect();
         served.sort_by_key(|s| s.sent);
@@ -95,15 +95,19 @@ impl Outage {
                 _ => outages.push((u.sent, end)),
             }
         }
-        // The fault's own outage is the one that begins as it bites; a few
+        // The fault's own outages are those that begin as it bites: a few
         // requests answered in that moment do not mean service is back.
-        let first_served = back_after(mark);
-        let (gap, later) = match outages.split_first() {
-            Some(((start, end), rest)) if start.saturating_duration_since(mark) <= BITES_WITHIN => {
-                (end.map(|e| e.saturating_duration_since(mark)), rest)
-            }
-            _ => (
-                first_served.map(|f| f.saturating_duration_since(mark)),
+        let own = outages
+            .iter()
+            .take_while(|(start, _)| start.saturating_duration_since(mark) <= BITES_WITHIN)
+            .count();
+        let (gap, later) = match outages[..own].last() {
+            Some((_, end)) => (
+                end.map(|e| e.saturating_duration_since(mark)),
+                &outages[own..],
+            ),
+            None => (
+                back_after(mark).map(|f| f.saturating_duration_since(mark)),
                 &outages[..],
             ),
         };
@@ -306,6 +310,9 @@ mod tests {
     fn answers_in_the_moment_before_the_fault_bites_do_not_end_it() {
         let t = Instant::now();
         let mut samples = vec![sample(t, 0, 5, Some(202)), sample(t, 3, 5, Some(202))];
+        // One more served between the first failures: still the fault biting.
+        samples.push(sample(t, 12, 5, Some(202)));
+        samples.push(sample(t, 10, 20, Some(503)));
         samples.extend((1..40).map(|i| sample(t, i * 50, 20, Some(503))));
         samples.push(sample(t, 2400, 100, Some(202)));
         samples.push(sample(t, 2600, 10, Some(202)));
