@@ -13,6 +13,8 @@ cd "$(dirname -- "${BASH_SOURCE[0]}")/.."
 
 scripts/services.sh
 scripts/tools.sh
+# promtool unpacked by tools.sh, when the machine has none of its own.
+export PATH="$PATH:$PWD/.run/tools/usr/bin"
 scripts/redis-cluster.sh start
 
 # Each test creates its own database flashsale_t_<uuid>; clear old ones.

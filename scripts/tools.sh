@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install the command-line tools the tests use besides the services, when missing:
 #
-#   promtool             checks the metrics output and the alert rules (Debian's
-#                        prometheus package)
+#   promtool             checks the metrics output and the alert rules (unpacked
+#                        from Debian's prometheus package into .run/tools)
 #   kubernetes-validate  checks the Kubernetes manifests offline against the API
 #                        schemas it bundles (PyPI, into .run/tools-venv)
 #   chromium, chromedriver  the operators' page's browser test (Debian's chromium
@@ -17,19 +17,28 @@ as_root() {
     if [[ $EUID -eq 0 ]]; then "$@"; else sudo "$@"; fi
 }
 
+REPO_ROOT="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd -P)"
+
+# promtool comes out of Debian's prometheus package unpacked into .run/tools,
+# never installed: installing the package would start a Prometheus server, and
+# the tests must not start, stop or disable anything on the machine. A promtool
+# already on PATH is used as it is.
+TOOLS="$REPO_ROOT/.run/tools"
 if command -v promtool >/dev/null 2>&1; then
     echo "tools: promtool $(promtool --version 2>&1 | head -1 | awk '{print $3}') present"
+elif [[ -x "$TOOLS/usr/bin/promtool" ]]; then
+    echo "tools: promtool $("$TOOLS/usr/bin/promtool" --version 2>&1 | head -1 | awk '{print $3}') present in .run/tools"
 else
-    echo "tools: installing promtool (Debian package prometheus)"
+    echo "tools: unpacking promtool from Debian's prometheus package into .run/tools"
     as_root apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-    # The package starts a Prometheus server; the tests need only promtool.
-    as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
-    pkill -x prometheus 2>/dev/null || true
-    echo "tools: promtool $(promtool --version 2>&1 | head -1 | awk '{print $3}') installed"
+    debs=$(mktemp -d)
+    chown _apt "$debs" 2>/dev/null || true  # apt downloads as _apt where it can
+    (cd "$debs" && apt-get download -qq prometheus)
+    mkdir -p "$TOOLS"
+    dpkg-deb -x "$debs"/prometheus_*.deb "$TOOLS"
+    rm -rf "$debs"
+    echo "tools: promtool $("$TOOLS/usr/bin/promtool" --version 2>&1 | head -1 | awk '{print $3}') unpacked"
 fi
-
-REPO_ROOT="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd -P)"
 VENV="$REPO_ROOT/.run/tools-venv"
 PYTHON_TOOLS=(kubernetes-validate==1.37.0 schemathesis==4.32.5 openapi-spec-validator==0.9.0)
 for req in "${PYTHON_TOOLS[@]}"; do

@@ -27,17 +27,20 @@ pub struct Sample {
     pub sent: Instant,
     pub received: Instant,
     pub answer: Answer,
+    /// Which of the caller's targets (instances) it went to.
+    pub via: usize,
 }
 
 impl Sample {
-    /// Sends one request and records its answer and timing.
-    pub async fn take(request: reqwest::RequestBuilder) -> Sample {
+    /// Sends one request to target `via` and records its answer and timing.
+    pub async fn take(request: reqwest::RequestBuilder, via: usize) -> Sample {
         let sent = Instant::now();
         let answer = Answer::from_response(request.send().await).await;
         Sample {
             sent,
             received: Instant::now(),
             answer,
+            via,
         }
     }
 
@@ -213,11 +216,12 @@ impl Prober {
                 while !stop.load(Ordering::SeqCst) && !targets.is_empty() {
                     tick.tick().await;
                     let token = auth.issue(&format!("{users}{i}"), 3600).unwrap_or_default();
-                    let url = format!("{}/flash/{sku}/reserve", targets[i % targets.len()]);
+                    let via = i % targets.len();
+                    let url = format!("{}/flash/{sku}/reserve", targets[via]);
                     let request = client.post(url).bearer_auth(token);
                     let samples = samples.clone();
                     requests.push(tokio::spawn(async move {
-                        let sample = Sample::take(request).await;
+                        let sample = Sample::take(request, via).await;
                         samples
                             .lock()
                             .unwrap_or_else(|e| e.into_inner())
@@ -265,6 +269,7 @@ mod tests {
                 status,
                 ..Answer::default()
             },
+            via: 0,
         }
     }
 

@@ -98,8 +98,14 @@ fn report(results: &[(&str, Result<Row, String>, Duration)]) -> (usize, usize) {
                     .target
                     .map(|t| format!(" (≤ {:.1} s)", t.bound.as_secs_f64()))
                     .unwrap_or_default();
+                let struck = match (row.since_struck, o.gap) {
+                    (Some(s), Some(g)) if s > g + Duration::from_millis(50) => {
+                        format!("{:.2} s from the fault, ", s.as_secs_f64())
+                    }
+                    _ => String::new(),
+                };
                 println!(
-                    "| {name} | {} | {} | {} | {} | {} | {} | {:.1} % | {}{target} | {:.2} s | {} ({}) | {} | {} | {} | {} | hold | {:.0} |",
+                    "| {name} | {} | {} | {} | {} | {} | {} | {:.1} % | {struck}{}{target} | {:.2} s | {} ({}) | {} | {} | {} | {} | hold | {:.0} |",
                     f.requests,
                     f.accepted,
                     f.accepted_ordered,

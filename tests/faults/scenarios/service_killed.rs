@@ -31,4 +31,8 @@ impl Fault for ServiceKilled {
     fn availability(&self) -> Target {
         Target::within(NONE_BOUND)
     }
+    /// The survivor: a load balancer routes around the killed instance.
+    fn measured_on(&self) -> Option<usize> {
+        Some(1)
+    }
 }
