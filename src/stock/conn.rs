@@ -167,7 +167,7 @@ impl RedisConn {
                     .context("failed to connect to the Redis cluster")?;
                 Ok(RedisConn::Cluster(Healing::new(
                     Live::Cluster(conn),
-                    Source::Cluster(client),
+                    Source::Cluster(Box::new(client)),
                     family,
                 )))
             }
@@ -256,7 +256,7 @@ enum Live {
 }
 
 enum Source {
-    Cluster(ClusterClient),
+    Cluster(Box<ClusterClient>),
     Sentinel(
         Box<tokio::sync::Mutex<SentinelClient>>,
         AsyncConnectionConfig,
