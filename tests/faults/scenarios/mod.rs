@@ -12,6 +12,7 @@ mod payments_race_sweeper;
 mod preload_during_sale;
 mod redis_failover;
 mod redis_restarted_empty;
+mod redis_restarted_empty_two;
 mod script_cache_flushed;
 mod sentinel_failover;
 mod service_killed;
@@ -29,6 +30,7 @@ pub fn all() -> Vec<Arc<dyn Fault>> {
         Arc::new(consumer_killed::ConsumerKilled),
         Arc::new(service_killed::ServiceKilled),
         Arc::new(redis_restarted_empty::RedisRestartedEmpty),
+        Arc::new(redis_restarted_empty_two::RedisRestartedEmptyTwo),
         Arc::new(every_message_twice::EveryMessageTwice),
         Arc::new(payments_race_sweeper::PaymentsRaceSweeper),
         Arc::new(two_instances::TwoInstances),
