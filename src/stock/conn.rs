@@ -128,7 +128,12 @@ impl Family {
             .filter(|m| !Arc::ptr_eq(m, rebuilt))
             .collect();
         for m in members {
-            Heal::rebuild(&m, "another connection to the same Redis was rebuilt");
+            // Not passed on again: one error, one round of rebuilds.
+            Heal::rebuild(
+                &m,
+                "another connection to the same Redis was rebuilt",
+                false,
+            );
         }
     }
 }
@@ -349,14 +354,15 @@ impl Healing {
         {
             return;
         }
-        Heal::rebuild(&self.0, &error.to_string());
+        Heal::rebuild(&self.0, &error.to_string(), true);
     }
 }
 
 impl Heal {
-    /// Starts one rebuild in the background, unless one is under way; the
-    /// others of its family follow once it succeeds.
-    fn rebuild(heal: &Arc<Heal>, why: &str) {
+    /// Starts one rebuild in the background, unless one is under way. A rebuild
+    /// started by an error of its own (`lead`) has the others of its family
+    /// follow once it succeeds; theirs lead nobody.
+    fn rebuild(heal: &Arc<Heal>, why: &str, lead: bool) {
         if heal.rebuilding.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -378,7 +384,9 @@ impl Heal {
                     heal.rebuilds.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!("flashsale_redis_reconnects_total").increment(1);
                     heal.rebuilding.store(false, Ordering::Release);
-                    heal.family.rebuild_all_but(&heal);
+                    if lead {
+                        heal.family.rebuild_all_but(&heal);
+                    }
                 }
                 Err(err) => {
                     tracing::warn!(error = %err, "Redis reconnect failed; the next error tries again");

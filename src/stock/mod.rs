@@ -886,17 +886,21 @@ impl StockStore {
         let k = Keys::of_reservation(activity_id, reservation_id);
         let i = b.next.fetch_add(1, Ordering::Relaxed) % b.conns.len();
         let mut conn = b.conns[i].clone();
-        // One pipeline: the bump and the `WAIT` reach the same node, the primary
-        // that owns the barrier's slot (a `WAIT` routed on its own could land on
-        // another node during a failover and count that node's replicas).
-        let (_, acked): (i64, u32) = redis::pipe()
+        // One pipeline: the bump, the `WAIT` and the check reach the same node,
+        // the primary that owns the barrier's slot (a `WAIT` routed on its own
+        // could land on another node during a failover and count that node's
+        // replicas). The barrier's connection may know a newer primary than the
+        // one the reservation was written on: only a node that holds the
+        // reservation can vouch for it.
+        let (_, acked, holds): (i64, u32, bool) = redis::pipe()
             .incr(&k.barrier, 1)
             .cmd("WAIT")
             .arg(b.replicas)
             .arg(b.timeout_ms)
+            .hexists(&k.res, reservation_id)
             .query_async(&mut conn)
             .await?;
-        Ok(acked >= b.replicas)
+        Ok(holds && acked >= b.replicas)
     }
 
     /// Builds the activity's Redis state from a MySQL snapshot (see `preload.lua`):

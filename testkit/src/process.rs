@@ -348,6 +348,24 @@ impl RedisSentinel {
         named.all(|p| p == Some(first)).then_some(first)
     }
 
+    /// Whether any sentinel already names a primary other than `old` (the
+    /// moment a failover is announced; the others learn it within a second).
+    pub fn switched_from(&self, old: u16) -> bool {
+        self.sentinels.iter().any(|(port, _)| {
+            let out = redis_cli(&[
+                "-p",
+                &port.to_string(),
+                "sentinel",
+                "get-master-addr-by-name",
+                SENTINEL_MASTER,
+            ]);
+            out.lines()
+                .nth(1)
+                .and_then(|p| p.trim().parse::<u16>().ok())
+                .is_some_and(|p| p != old)
+        })
+    }
+
     /// Waits until the sentinels agree on a primary that has two replicas
     /// online, each of them synced.
     pub fn wait_healthy(&self, within: Duration) -> Result<(), String> {

@@ -69,10 +69,14 @@ pub const BACK_BOUND: Duration = Duration::from_secs(2);
 pub const REBUILD_BOUND: Duration = Duration::from_millis(PUBLISH_TIMEOUT_MS + 2000);
 /// A Redis primary killed and a replica promoted (by the Cluster or by
 /// Sentinel): the services serve from the new primary within this of the
-/// promotion, as any dependency that is back. (DESIGN's 5 s from the kill also holds Redis's own detection and
-/// election, 2.2 to 4 s here with `cluster-node-timeout` 2 s: the table prints
-/// it beside.)
+/// promotion, as any dependency that is back.
 pub const PROMOTED_BOUND: Duration = BACK_BOUND;
+/// The same failover counted from the kill. DESIGN's target is 5 s; Redis's own
+/// detection and election take 2.2 to 4.6 s of it here (`cluster-node-timeout`
+/// and `down-after-milliseconds` 2 s, two scenarios side by side on two cores),
+/// before any client can follow, so the bound held is that plus the service's
+/// measured share (at most 0.7 s) with a margin: 6.5 s.
+pub const FAILOVER_BOUND: Duration = Duration::from_millis(6500);
 /// An API instance killed costs the others nothing: the next request is served.
 pub const NONE_BOUND: Duration = Duration::from_millis(500);
 
@@ -83,6 +87,9 @@ pub struct Target {
     pub bound: Duration,
     /// Once service is back, the longest a new buyer may wait again.
     pub later: Duration,
+    /// Where the mark is the end of a fault that lasted: the bound counted from
+    /// the fault's first moment as well.
+    pub from_fault: Option<Duration>,
 }
 
 impl Target {
@@ -90,6 +97,7 @@ impl Target {
         Target {
             bound,
             later: bound,
+            from_fault: None,
         }
     }
 }
@@ -674,9 +682,20 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
     }
     fault.expect(run, &figures)?;
     let target = fault.availability();
-    outage.within(target.bound, target.later).map_err(|e| {
-        format!("{e}\nanswers received per 250 ms from the fault (served/not): {timeline}")
-    })?;
+    let from_fault = match (target.from_fault, since_struck) {
+        (Some(bound), Some(took)) if took > bound => Err(format!(
+            "time without service {:.2} s from the fault's first moment, above {:.2} s",
+            took.as_secs_f64(),
+            bound.as_secs_f64()
+        )),
+        _ => Ok(()),
+    };
+    outage
+        .within(target.bound, target.later)
+        .and(from_fault)
+        .map_err(|e| {
+            format!("{e}\nanswers received per 250 ms from the fault (served/not): {timeline}")
+        })?;
     Ok(Row {
         figures,
         reconcile_calls: reconcile_calls.load(Ordering::SeqCst),

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use crate::harness::{Fault, Run, Setup, Target, NONE_BOUND, PROMOTED_BOUND};
+use crate::harness::{Fault, Run, Setup, Target, FAILOVER_BOUND, NONE_BOUND, PROMOTED_BOUND};
 
 pub struct ClusterFailover {
     /// The sale's stock shards; the primary of the last one is killed.
@@ -70,13 +70,13 @@ impl Fault for ClusterFailover {
             Ok(())
         })
     }
-    /// Counted from the promotion (Redis's own part, from the kill, is printed
-    /// beside it against DESIGN's 5 s), with no second gap when the node comes
-    /// back.
+    /// Counted from the promotion and from the kill, with no second gap when
+    /// the node comes back.
     fn availability(&self) -> Target {
         Target {
             bound: PROMOTED_BOUND,
             later: NONE_BOUND,
+            from_fault: Some(FAILOVER_BOUND),
         }
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use crate::harness::{Fault, Run, Setup, Target, NONE_BOUND, PROMOTED_BOUND};
+use crate::harness::{Fault, Run, Setup, Target, FAILOVER_BOUND, NONE_BOUND, PROMOTED_BOUND};
 
 pub struct SentinelFailover;
 
@@ -35,8 +35,8 @@ impl Fault for SentinelFailover {
                 Duration::from_secs(30),
                 "the sentinels to promote a replica",
                 || async {
-                    let now = tokio::task::block_in_place(|| sentinel.primary());
-                    now.filter(|p| *p != primary)
+                    let moved = tokio::task::block_in_place(|| sentinel.switched_from(primary));
+                    moved.then_some(())
                 },
             )
             .await?;
@@ -49,13 +49,13 @@ impl Fault for SentinelFailover {
             Ok(())
         })
     }
-    /// Counted from the promotion (Redis's own part, from the kill, is printed
-    /// beside it against DESIGN's 5 s), with no second gap when the node comes
-    /// back.
+    /// Counted from the promotion and from the kill, with no second gap when
+    /// the node comes back.
     fn availability(&self) -> Target {
         Target {
             bound: PROMOTED_BOUND,
             later: NONE_BOUND,
+            from_fault: Some(FAILOVER_BOUND),
         }
     }
 }
