@@ -435,6 +435,11 @@ async fn reserve_and_publish(
     };
     let reservation_id = match outcome {
         ReserveOutcome::Reserved { reservation_id } => reservation_id,
+        // The client sent the script again after a lost answer (a failover) and
+        // the first run had reserved: the reservation is this request's own.
+        ReserveOutcome::AlreadyReserved { reservation_id } if reservation_id == new_id => {
+            reservation_id
+        }
         ReserveOutcome::AlreadyReserved { reservation_id } => {
             return Err(AppError::AlreadyReserved { reservation_id })
         }
