@@ -19,13 +19,15 @@
 //! - the sections: [`ceiling`] (Redis and the broker alone), [`strategies`] (side
 //!   by side), [`flood`] (wrk, CPU per request by phase), [`gate`] (the sold-out
 //!   gate reopening), [`producer`] (the producer's settings), [`fairness`] (bots
-//!   against the waiting room), [`cluster`] (the hot SKU on a Redis Cluster);
+//!   against the waiting room), [`cluster`] (the hot SKU on a Redis Cluster),
+//!   [`failover`] (a sale through the loss of a Cluster primary);
 //! - [`suite`]: the comparison, section after section; [`report`]: its markdown.
 
 pub mod ceiling;
 pub mod client;
 pub mod cluster;
 pub mod context;
+pub mod failover;
 pub mod fairness;
 pub mod flood;
 pub mod gate;

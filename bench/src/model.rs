@@ -1,6 +1,7 @@
 //! What a comparison measured: the data the suite fills in, `summary.json` holds
 //! and the report renders. Nothing here runs anything.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -83,6 +84,9 @@ pub struct Summary {
     /// Bots among the winners, open and through the waiting room (`None`: skipped).
     #[serde(default)]
     pub fairness: Option<FairnessSection>,
+    /// A Redis Cluster primary killed under a sale (`None`: skipped).
+    #[serde(default)]
+    pub failover: Option<FailoverSection>,
 }
 
 impl Summary {
@@ -266,4 +270,65 @@ pub struct FairnessSection {
     pub bots: usize,
     pub units: u32,
     pub runs: Vec<FairnessRun>,
+}
+
+/// Answers received in one slice of the failover section's sale, by status
+/// (`202`, `409`, `503`, …; `lost` for a connection that failed or timed out).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct AnswerBucket {
+    /// Start of the slice, in seconds from the kill (negative before it).
+    pub t_s: f64,
+    pub codes: BTreeMap<String, u64>,
+}
+
+/// A sale on a Redis Cluster through the loss of the primary that owns its slot.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FailoverSection {
+    pub units: u32,
+    pub users: usize,
+    pub clicks: u32,
+    /// Requests per second the service answered on the same Cluster, closed loop
+    /// at the suite's concurrency, before the sale.
+    pub measured_rps: f64,
+    pub measure_connections: usize,
+    /// The sale's pace (open loop): a share of the measured rate.
+    pub rate: f64,
+    pub rate_share: f64,
+    /// Requests sent, and their pace from the first to the last.
+    pub sent: usize,
+    pub sent_rps: f64,
+    /// The killed primary, and the replica the Cluster promoted in its place.
+    pub killed_port: u16,
+    pub promoted_port: u16,
+    /// Seconds of sale before the kill.
+    pub before_s: f64,
+    /// Seconds from the kill: the promotion seen in `CLUSTER NODES`, the dead
+    /// node started again on its old address, the Cluster healthy again (every
+    /// slot served, every replica in sync), the last request sent.
+    pub promoted_after_s: f64,
+    pub returned_after_s: f64,
+    pub healthy_after_s: f64,
+    pub ended_after_s: f64,
+    /// Time without service (from the mark to the first answer other than a
+    /// `5xx` or a lost connection), from the kill and from the promotion;
+    /// `None`: service never came back.
+    pub gap_from_kill_ms: Option<f64>,
+    pub gap_from_promotion_ms: Option<f64>,
+    /// After service came back, the longest a new buyer waited again for a real
+    /// answer (the node's return included); `None`: service went away again and
+    /// never came back.
+    pub later_gap_ms: Option<f64>,
+    /// Requests sent after the node's return, and how many of them got a `5xx`
+    /// or no answer.
+    pub sent_after_return: usize,
+    pub unserved_after_return: usize,
+    /// Every answer, by status and code (`202`, `409 already_reserved`, …).
+    pub answers: BTreeMap<String, u64>,
+    /// Answers per `bucket_ms`, by status, from the sale's start to its end.
+    pub bucket_ms: u64,
+    pub timeline: Vec<AnswerBucket>,
+    /// The test kit's invariant checker once the sale was quiet.
+    pub invariants: ServerCheck,
+    /// Seconds after the last answer until the sale was quiet.
+    pub drain_s: Option<f64>,
 }

@@ -87,6 +87,13 @@ pub struct SuiteOptions {
     /// Users of the Cluster section's sale (each clicks `small_clicks` times).
     #[arg(long, default_value_t = 20_000)]
     pub cluster_users: usize,
+    /// Units of the failover section's sale (on a Redis Cluster of its own, the
+    /// primary of the sale's slot killed mid-sale); 0 skips the section.
+    #[arg(long, default_value_t = 100_000)]
+    pub failover_units: u32,
+    /// Seconds the failover section's sale goes on after the replica's promotion.
+    #[arg(long, default_value_t = 10.0)]
+    pub failover_after: f64,
     /// Seconds of each `wrk` run of the flood section (healthz, the no-op, the
     /// service sold out, refused by its window, winning); 0 skips the section.
     #[arg(long, default_value_t = 5.0)]

@@ -8,8 +8,9 @@
 //! 4. the flood measured with `wrk` and the CPU per request ([`crate::flood`]), the
 //!    sold-out gate reopening across instances ([`crate::gate`]), the producer's
 //!    settings ([`crate::producer`]), bots among the winners with and without the
-//!    waiting room ([`crate::fairness`]) and the hot SKU on a Redis Cluster
-//!    ([`crate::cluster`]);
+//!    waiting room ([`crate::fairness`]), the hot SKU on a Redis Cluster
+//!    ([`crate::cluster`]) and a sale through the loss of a Cluster primary
+//!    ([`crate::failover`]);
 //! 5. the summary (JSON) and the markdown report ([`crate::report`]).
 //!
 //! Server, load generator and orchestrator are separate processes: on two cores the
@@ -156,6 +157,11 @@ async fn sections(
     } else {
         None
     };
+    let failover = if opts.failover_units > 0 {
+        Some(crate::failover::section(bench).await?)
+    } else {
+        None
+    };
     Ok(Summary {
         started_at: started_at.to_rfc3339(),
         finished_at: Utc::now().to_rfc3339(),
@@ -173,6 +179,7 @@ async fn sections(
         gate,
         producer,
         fairness,
+        failover,
     })
 }
 

@@ -2,6 +2,7 @@
 //! section, each reading the [`Summary`] and nothing else.
 
 mod cluster;
+mod failover;
 mod flood;
 pub mod format;
 mod strategies;
@@ -25,6 +26,10 @@ pub fn render(summary: &Summary) -> String {
     }
     if let Some(c) = &summary.cluster {
         cluster::section(&mut md, &c.plan, &c.runs);
+        md.push('\n');
+    }
+    if let Some(f) = &summary.failover {
+        failover::section(&mut md, f);
         md.push('\n');
     }
     strategies::after(&mut md, summary);
