@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Plots of a benchmark comparison: reads RESULTS/summary.json (written by the
-`compare` binary) and writes four PNGs next to it.
+`compare` binary) and writes its PNGs next to it.
 
     scripts/plots.py results
 
@@ -12,6 +12,9 @@
                      each strategy's runs
 - sale_timeline.png  answers per second during the small-stock sale, with the
                      moment each strategy sold out
+- failover.png       answers per 100 ms by status (202, 409, 503) through the loss
+                     of a Redis Cluster primary, with the kill, the promotion and the
+                     dead node's return marked (when the failover section ran)
 
 scripts/bench.sh runs it from a virtualenv with matplotlib; it needs nothing else.
 """
@@ -199,6 +202,71 @@ def sale_timeline(summary, out):
     plt.close(fig)
 
 
+STATUS_COLORS = {"202": "#2ca02c", "409": "#ff7f0e", "503": "#d62728", "lost": "#7f7f7f"}
+
+
+def failover(summary, out):
+    """Answers per 100 ms by status through a Cluster primary's loss, with the
+    kill, the promotion and the dead node's return marked."""
+    f = summary.get("failover")
+    if not f or not f["timeline"]:
+        return False
+    step = f["bucket_ms"] / 1000.0
+    ts = [b["t_s"] for b in f["timeline"]]
+    seen = {c for b in f["timeline"] for c in b["codes"]}
+    # 202, 409 and 503 always (a flat zero says something too), then the rest.
+    statuses = ["202", "409", "503"] + sorted(seen - {"202", "409", "503"})
+    def label(status):
+        if status == "lost":
+            return "no answer (connection lost or timed out)"
+        codes = [k.split(" ", 1)[1] for k in f["answers"] if k.startswith(status + " ")]
+        return f"{status} ({', '.join(codes)})" if codes else status
+
+    fig, ax = plt.subplots(figsize=(12, 5.5))
+    highest = 1
+    for code in statuses:
+        ys = [b["codes"].get(code, 0) for b in f["timeline"]]
+        highest = max(highest, *ys)
+        # Each slice drawn over its 100 ms, ending with the last one.
+        ax.step(ts + [ts[-1] + step], ys + ys[-1:], where="post", linewidth=1.5,
+                color=STATUS_COLORS.get(code, "#8c564b"), label=label(code))
+    # Headroom above the answers for the marks' names.
+    top = highest * 1.35
+    gap = f.get("gap_from_kill_ms")
+    if gap is not None:
+        ax.axvspan(0, gap / 1000.0, color="#d62728", alpha=0.08, linewidth=0)
+    marks = [
+        (0.0, "primary killed", "#d62728"),
+        (f["promoted_after_s"], "replica promoted", "#1f77b4"),
+        (f["returned_after_s"], "dead node back on its old address", "#9467bd"),
+    ]
+    for i, (x, name, c) in enumerate(marks):
+        ax.axvline(x, color=c, linestyle="--", linewidth=1)
+        ax.text(x, top * (0.97 - 0.06 * i), f" {name}, {x:+.2f} s", va="top", ha="left",
+                fontsize=8, color=c)
+
+    def secs(ms):
+        return "never" if ms is None else (f"{ms / 1000:.2f} s" if ms >= 1000 else f"{ms:.0f} ms")
+
+    ax.set_title(
+        f"A Cluster primary killed under a sale at {f['rate']:,.0f} req/s (users clicking twice): "
+        f"time without service {secs(gap)} from the kill (shaded), "
+        f"{secs(f.get('gap_from_promotion_ms'))} from the promotion, "
+        f"later gap {secs(f.get('later_gap_ms'))}",
+        fontsize=9,
+    )
+    ax.set_xlabel("seconds from the kill (answers by the moment they arrived)")
+    ax.set_ylabel(f"answers per {f['bucket_ms']} ms")
+    ax.set_xlim(ts[0], ts[-1] + step)
+    ax.set_ylim(0, top)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    fig.savefig(out / "failover.png", dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main():
     results = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
     summary = json.loads((results / "summary.json").read_text())
@@ -206,7 +274,10 @@ def main():
     latency_cdf(summary, results)
     side_query(summary, results)
     sale_timeline(summary, results)
-    print(f"plots: {', '.join(str(results / n) for n in ('throughput.png', 'latency_cdf.png', 'side_query.png', 'sale_timeline.png'))}")
+    names = ['throughput.png', 'latency_cdf.png', 'side_query.png', 'sale_timeline.png']
+    if failover(summary, results):
+        names.append('failover.png')
+    print(f"plots: {', '.join(str(results / n) for n in names)}")
 
 
 if __name__ == "__main__":
