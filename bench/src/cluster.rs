@@ -26,7 +26,16 @@ use crate::redis_info::counters;
 use crate::server::StrategyKind;
 
 /// A Redis Cluster of its own (3 primaries, 2 replicas each) in `dir`, healthy.
+///
+/// `dir` is emptied first: a node keeps its `nodes.conf` in a folder named after
+/// its port, and one that drew the port of an earlier run's node would start as
+/// a member of that run's cluster and never join this one.
 pub async fn start_cluster(dir: &std::path::Path) -> anyhow::Result<RedisCluster> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir)
+            .with_context(|| format!("failed to empty {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("failed to create {}", dir.display()))?;
     let dir = dir.to_owned();
     tokio::task::spawn_blocking(move || {
         let c = RedisCluster::start(&dir);
@@ -167,9 +176,7 @@ pub async fn section(bench: &Bench) -> anyhow::Result<ClusterSection> {
         connections: opts.concurrency,
         request_timeout: Duration::from_secs_f64(opts.request_timeout),
     };
-    let dir = bench.runs_dir.join("cluster");
-    std::fs::create_dir_all(&dir).with_context(|| format!("failed to create {}", dir.display()))?;
-    let nodes = start_cluster(&dir).await?;
+    let nodes = start_cluster(&bench.runs_dir.join("cluster")).await?;
     let server = bench
         .start_server(
             StrategyKind::Service,

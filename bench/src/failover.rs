@@ -63,9 +63,7 @@ const BUCKET: Duration = Duration::from_millis(100);
 /// The failover section: a Cluster of its own, the service on it, the rate
 /// measured, then the sale through the kill.
 pub async fn section(bench: &mut Bench) -> anyhow::Result<FailoverSection> {
-    let dir = bench.runs_dir.join("failover");
-    std::fs::create_dir_all(&dir).with_context(|| format!("failed to create {}", dir.display()))?;
-    let mut nodes = crate::cluster::start_cluster(&dir).await?;
+    let mut nodes = crate::cluster::start_cluster(&bench.runs_dir.join("failover")).await?;
     let server = bench
         .start_server(
             StrategyKind::Service,
