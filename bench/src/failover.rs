@@ -37,6 +37,7 @@ use crate::context::Bench;
 use crate::loadgen::{issue_tokens, UserToken};
 use crate::model::{AnswerBucket, FailoverSection, ServerCheck};
 use crate::process::{LoadArgs, ServerChild};
+use crate::report::format::thousands;
 use crate::server::StrategyKind;
 use crate::with_database;
 
@@ -238,7 +239,7 @@ async fn run(
             Ok(f) => {
                 let mut notes = vec![format!(
                     "{} `202`s, each an order; no oversell, one order per user, stock conserved in Redis and MySQL, every answer documented",
-                    f.accepted
+                    thousands(f.accepted as f64)
                 )];
                 // One order per user and every 202 an order: the rest are
                 // orders of buyers who never got a 202.
@@ -249,8 +250,10 @@ async fn run(
                     ));
                 }
                 notes.push(format!(
-                    "{} live orders, {} failed, {} reservations withdrawn",
-                    f.live_orders, f.failed, f.withdrawn
+                    "live orders {}, failed {}, reservations withdrawn {}",
+                    thousands(f.live_orders as f64),
+                    f.failed,
+                    f.withdrawn
                 ));
                 ServerCheck { ok: true, notes }
             }
