@@ -466,7 +466,7 @@ async fn reserve_and_publish(
     };
     // Replicas first hold the reservation itself: until it is published,
     // withdrawing it is a Redis matter alone, and the client holds nothing.
-    if let Err(err) = replicated(state, &activity.id, &reservation_id).await {
+    if let Err(err) = replicated(state, &incoming).await {
         undo(state, &incoming).await;
         return Err(err);
     }
@@ -504,7 +504,7 @@ async fn reserve_and_publish(
         .await
     {
         Ok(FateChange::Done) => {
-            replicated(state, &activity.id, &reservation_id).await?;
+            replicated(state, &incoming).await?;
             Ok(reserved)
         }
         Ok(change) => {
@@ -528,8 +528,13 @@ async fn reserve_and_publish(
 /// takes a replica failing within a millisecond, the client gets `503`; the
 /// reservation stays acknowledged on the primary and its message makes it an
 /// order, which the user's reservation status shows.
-async fn replicated(state: &AppState, activity_id: &str, reservation_id: &str) -> AppResult<()> {
-    match state.stock.replicated(activity_id, reservation_id).await {
+async fn replicated(state: &AppState, incoming: &Incoming) -> AppResult<()> {
+    let reservation_id = &incoming.reservation_id;
+    match state
+        .stock
+        .replicated(&incoming.activity_id, &incoming.user_id, reservation_id)
+        .await
+    {
         Ok(true) => Ok(()),
         other => {
             tracing::warn!(?other, %reservation_id, "replicas did not acknowledge the reservation in time");
@@ -562,7 +567,7 @@ async fn withdraw(state: &AppState, incoming: Incoming, reserved: Reserved) -> A
             if decided.is_empty() {
                 // Acknowledged already (its acknowledgement's answer was lost): a
                 // promise, kept once the replicas hold it.
-                replicated(state, &incoming.activity_id, &incoming.reservation_id).await?;
+                replicated(state, &incoming).await?;
                 return Ok(reserved);
             }
         }

@@ -218,18 +218,6 @@ impl Reconciler {
             }
         }
         self.found(&activity.id);
-        // Loaded and current, yet paused for a loss: the rebuild that should have
-        // resumed it died, or this pause came from an instance that saw the loss
-        // after another had rebuilt it. The loss is over; the sale goes on.
-        if fresh.auto_paused && self.activities.auto_resume(&activity.id).await? {
-            // Redis too: a rebuild that wrote the state and then failed put the
-            // switch back to the pause it found.
-            self.stock
-                .set_paused(&activity.id, activity.stock_shards, false)
-                .await?;
-            report.resumed = true;
-            tracing::warn!(activity_id = %activity.id, "resumed a sale paused for a Redis loss that is over");
-        }
         self.decide_expired(activity, &mut report).await?;
         report.transfers_finished = self
             .stock

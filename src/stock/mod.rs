@@ -879,28 +879,34 @@ impl StockStore {
     /// replicas are required. A bump of `…:barrier` on a barrier connection, then
     /// `WAIT` on that same connection (on a Cluster, at the primary that owns the
     /// slot of the reservation's shard).
-    pub async fn replicated(&self, activity_id: &str, reservation_id: &str) -> RedisResult<bool> {
+    pub async fn replicated(
+        &self,
+        activity_id: &str,
+        user_id: &str,
+        reservation_id: &str,
+    ) -> RedisResult<bool> {
         let Some(b) = &self.barrier else {
             return Ok(true);
         };
         let k = Keys::of_reservation(activity_id, reservation_id);
         let i = b.next.fetch_add(1, Ordering::Relaxed) % b.conns.len();
         let mut conn = b.conns[i].clone();
-        // One pipeline: the bump, the `WAIT` and the check reach the same node,
+        // One pipeline: the check, the bump and the `WAIT` reach the same node,
         // the primary that owns the barrier's slot (a `WAIT` routed on its own
         // could land on another node during a failover and count that node's
         // replicas). The barrier's connection may know a newer primary than the
-        // one the reservation was written on: only a node that holds the
-        // reservation can vouch for it.
-        let (_, acked, holds): (i64, u32, bool) = redis::pipe()
+        // one the reservation was written on: only a node that holds the user's
+        // purchase right under this reservation can vouch for it (the right
+        // stays once the order is written, unlike the reservation's details).
+        let (holder, _, acked): (Option<String>, i64, u32) = redis::pipe()
+            .hget(&k.buyers, user_id)
             .incr(&k.barrier, 1)
             .cmd("WAIT")
             .arg(b.replicas)
             .arg(b.timeout_ms)
-            .hexists(&k.res, reservation_id)
             .query_async(&mut conn)
             .await?;
-        Ok(holds && acked >= b.replicas)
+        Ok(holder.as_deref() == Some(reservation_id) && acked >= b.replicas)
     }
 
     /// Builds the activity's Redis state from a MySQL snapshot (see `preload.lua`):
