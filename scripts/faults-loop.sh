@@ -19,25 +19,27 @@ runs="${1:-5}"
 scripts/services.sh
 out="$PWD/.run/faults-loop"
 mkdir -p "$out"
-# One build directory for every clone: each run compiles only what changed.
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# Every run clones into the same place and builds into a folder of the loop's
+# own: a run recompiles only the workspace's crates, and the working tree's
+# own build (whose test binaries know their source folder) is left alone.
+clone="$out/clone"
+export CARGO_TARGET_DIR="$out/target"
+trap 'rm -rf "$clone"' EXIT
 
 passed=0 failed=0
 for ((k = 1; k <= runs; k++)); do
-    clone="$work/run-$k"
+    rm -rf "$clone"
     git clone --quiet --no-hardlinks . "$clone"
     log="$out/run-$k.log"
     started=$(date +%s)
-    if (cd "$clone" && cargo test --locked --test faults) >"$log" 2>&1; then
+    # A failing scenario keeps its processes' logs (the path is in the run's log).
+    if (cd "$clone" && FAULTS_KEEP=1 cargo test --locked --test faults) >"$log" 2>&1; then
         passed=$((passed + 1)); verdict=passed
     else
         failed=$((failed + 1)); verdict=FAILED
     fi
     echo "run $k: $verdict in $(( $(date +%s) - started )) s: $(grep -E '^faults: ' "$log" | tail -1)"
     grep -E '\| BROKEN \|' "$log" || true
-    rm -rf "$clone"
 done
 echo "fault suite runs: $passed passed, $failed failed (logs in .run/faults-loop/)"
 [[ $failed -eq 0 ]]
