@@ -5,8 +5,8 @@
 # broker, a no-op endpoint behind the same HTTP layers), while another client
 # queries the same MariaDB. About five minutes on two cores (plus the first
 # build): the strategies, the flood measured with wrk, the sold-out gate across
-# two instances, the producer's settings, bots against the waiting room and the
-# hot SKU on a Redis Cluster.
+# two instances, the producer's settings, bots against the waiting room, the
+# hot SKU on a Redis Cluster, and a sale through the loss of a Cluster primary.
 #
 #   scripts/bench.sh                          # everything, defaults
 #   scripts/bench.sh --duration 5 --users 100000 --strategies noop,service
@@ -15,6 +15,19 @@
 # Writes results/report.md, results/summary.json, results/runs/*.json and, with
 # matplotlib (installed from PyPI into .run/bench-venv on first use), the plots
 # results/*.png. Extra arguments go to the `compare` binary.
+#
+# The failover section (--failover-units, 0 skips it) starts a Cluster of its
+# own, measures the service's rate on it with redis.min_replicas_acked = 1,
+# drives a sale at half that rate (every user clicking twice), SIGKILLs the
+# primary that owns the sale's slot 3 s in, restarts the dead node on its old
+# address halfway through the --failover-after seconds the sale goes on past
+# the promotion, and plots answers per 100 ms by status (202, 409, 503) with
+# the time without service in the report (results/failover.png). Alone:
+#
+#   scripts/bench.sh --strategies noop --duration 2 --half-rate-duration 0 \
+#       --idle-duration 1 --redis-bench-requests 0 --broker-ceiling-duration 0 \
+#       --flood-duration 0 --gate-units 0 --producer-duration 0 \
+#       --fairness-users 0 --cluster-units 0
 #
 # Everything runs on loopback: Redis, MariaDB and the broker from
 # scripts/services.sh, and one benchmark server at a time on a free port.
