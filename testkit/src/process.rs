@@ -280,6 +280,20 @@ pub struct RedisSentinel {
 /// The name the sentinels monitor the primary under.
 pub const SENTINEL_MASTER: &str = "flashsale";
 
+/// The primary's port as the sentinel on `port` names it.
+fn named_primary(port: u16) -> Option<u16> {
+    let out = redis_cli(&[
+        "-p",
+        &port.to_string(),
+        "sentinel",
+        "get-master-addr-by-name",
+        SENTINEL_MASTER,
+    ]);
+    out.lines()
+        .nth(1)
+        .and_then(|p| p.trim().parse::<u16>().ok())
+}
+
 impl RedisSentinel {
     pub fn start(dir: &Path) -> Result<Self, String> {
         let primary = Redis::start(dir);
@@ -332,18 +346,7 @@ impl RedisSentinel {
     /// The primary's port as every sentinel names it now (`None` while they
     /// disagree).
     pub fn primary(&self) -> Option<u16> {
-        let mut named = self.sentinels.iter().map(|(port, _)| {
-            let out = redis_cli(&[
-                "-p",
-                &port.to_string(),
-                "sentinel",
-                "get-master-addr-by-name",
-                SENTINEL_MASTER,
-            ]);
-            out.lines()
-                .nth(1)
-                .and_then(|p| p.trim().parse::<u16>().ok())
-        });
+        let mut named = self.sentinels.iter().map(|(port, _)| named_primary(*port));
         let first = named.next()??;
         named.all(|p| p == Some(first)).then_some(first)
     }
@@ -351,19 +354,9 @@ impl RedisSentinel {
     /// Whether any sentinel already names a primary other than `old` (the
     /// moment a failover is announced; the others learn it within a second).
     pub fn switched_from(&self, old: u16) -> bool {
-        self.sentinels.iter().any(|(port, _)| {
-            let out = redis_cli(&[
-                "-p",
-                &port.to_string(),
-                "sentinel",
-                "get-master-addr-by-name",
-                SENTINEL_MASTER,
-            ]);
-            out.lines()
-                .nth(1)
-                .and_then(|p| p.trim().parse::<u16>().ok())
-                .is_some_and(|p| p != old)
-        })
+        self.sentinels
+            .iter()
+            .any(|(port, _)| named_primary(*port).is_some_and(|p| p != old))
     }
 
     /// Waits until the sentinels agree on a primary that has two replicas
