@@ -426,9 +426,15 @@ impl RedisCluster {
     /// Starts nine nodes and forms the cluster (`redis-cli --cluster create`);
     /// returns once every live node reports `cluster_state:ok`.
     pub fn start(dir: &Path) -> Self {
+        // Two clusters starting side by side could each pick a port the other
+        // is about to bind (a node's port or its bus port, +10000): one process
+        // picks and binds all nine nodes' ports at a time.
+        static PICKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let picking = PICKING.lock().unwrap_or_else(|e| e.into_inner());
         let nodes: Vec<Redis> = (0..9)
             .map(|_| Redis::start_node(dir, free_cluster_port(), None, true))
             .collect();
+        drop(picking);
         let addrs: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
@@ -438,7 +444,7 @@ impl RedisCluster {
         args.extend(["--cluster-replicas", "2", "--cluster-yes"]);
         redis_cli(&args);
         let cluster = RedisCluster { nodes };
-        if let Err(e) = cluster.wait_healthy(Duration::from_secs(30)) {
+        if let Err(e) = cluster.wait_healthy(Duration::from_secs(60)) {
             panic!("{e}");
         }
         cluster
