@@ -20,7 +20,7 @@
 //! failure does.
 
 use std::num::NonZeroUsize;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -244,14 +244,13 @@ impl ConnectionLike for RedisConn {
 #[derive(Clone)]
 pub struct Healing(Arc<Heal>);
 
-pub struct Heal {
+struct Heal {
     /// The connection in use and its generation (bumped by each rebuild).
     live: RwLock<(u64, Live)>,
     source: Source,
     family: Family,
     rebuilding: AtomicBool,
     last_rebuild: Mutex<Option<Instant>>,
-    rebuilds: AtomicU64,
 }
 
 #[derive(Clone)]
@@ -276,15 +275,9 @@ impl Healing {
             family: family.clone(),
             rebuilding: AtomicBool::new(false),
             last_rebuild: Mutex::new(None),
-            rebuilds: AtomicU64::new(0),
         });
         family.join(&heal);
         Healing(heal)
-    }
-
-    /// How many times this handle rebuilt its connection.
-    pub fn rebuilds(&self) -> u64 {
-        self.0.rebuilds.load(Ordering::Relaxed)
     }
 
     fn current(&self) -> (u64, Live) {
@@ -381,7 +374,6 @@ impl Heal {
                         let mut slot = heal.live.write().unwrap_or_else(|e| e.into_inner());
                         *slot = (slot.0 + 1, live);
                     }
-                    heal.rebuilds.fetch_add(1, Ordering::Relaxed);
                     metrics::counter!("flashsale_redis_reconnects_total").increment(1);
                     heal.rebuilding.store(false, Ordering::Release);
                     if lead {
