@@ -344,9 +344,17 @@ pub const SOLD_OUT_RECHECK: Duration = Duration::from_millis(50);
 /// that adds units bumps its shard's count (`reserve.lua`), and
 /// `run_sold_out_gate` reopens a sale within `SOLD_OUT_RECHECK` of any bump, or
 /// at once when a count cannot be read.
+///
+/// Finding a sale sold out reads its buyers once per instance, in the
+/// background and in batches (`HSCAN`), never on a request's path: requests go
+/// on to Redis until the gate is shut.
 #[derive(Default)]
 struct SoldOutGate {
     shut: Mutex<HashMap<String, Shut>>,
+    /// Activities whose buyers are being read now, to shut their gate.
+    closing: Mutex<std::collections::HashSet<String>>,
+    /// How many times buyers were read to shut a gate, since start.
+    readings: AtomicUsize,
 }
 
 struct Shut {
@@ -356,6 +364,8 @@ struct Shut {
 
 /// Most buyers a shut sale keeps in memory; a larger sale is not gated.
 const GATE_MAX_BUYERS: usize = 1_000_000;
+/// Buyers read per `HSCAN` call while shutting a gate.
+const GATE_SCAN_BATCH: usize = 1_000;
 
 impl SoldOutGate {
     /// Whether `user_id` is to be told `sold_out` from memory.
@@ -368,6 +378,30 @@ impl SoldOutGate {
     fn shut(&self, activity_id: &str, shut_now: Shut) {
         let mut shut = self.shut.lock().unwrap_or_else(|e| e.into_inner());
         shut.insert(activity_id.to_owned(), shut_now);
+    }
+
+    /// Whether this call is the one to read `activity_id`'s buyers: it is not
+    /// shut already and no one else is at it.
+    fn begin_closing(&self, activity_id: &str) -> bool {
+        if self
+            .shut
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(activity_id)
+        {
+            return false;
+        }
+        self.closing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(activity_id.to_owned())
+    }
+
+    fn end_closing(&self, activity_id: &str) {
+        self.closing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(activity_id);
     }
 
     fn open(&self, activity_id: &str) {
@@ -472,6 +506,13 @@ impl StockStore {
         refused
     }
 
+    /// How many times this instance read a sold-out sale's buyers to shut its
+    /// gate: once per sell-out (and per reopening), however many requests
+    /// found it sold out.
+    pub fn sold_out_gate_readings(&self) -> usize {
+        self.gate.readings.load(Ordering::Relaxed)
+    }
+
     pub async fn reserve(
         &self,
         activity_id: &str,
@@ -534,28 +575,58 @@ impl StockStore {
         // Sold out for a single unit, every shard seen empty with its count (a
         // lender that just lent its last units left none): no request could be
         // served, so the sale is shut here until a count moves.
-        if quantity == 1 && empty.len() == usize::from(shards) {
-            self.shut_gate(activity_id, shards, empty).await?;
+        if quantity == 1
+            && empty.len() == usize::from(shards)
+            && self.gate.begin_closing(activity_id)
+        {
+            let store = self.clone();
+            let activity_id = activity_id.to_owned();
+            tokio::spawn(async move {
+                if let Err(err) = store.shut_gate(&activity_id, shards, empty).await {
+                    tracing::debug!(%activity_id, error = %err, "the sold-out gate stays open");
+                }
+                store.gate.end_closing(&activity_id);
+            });
         }
         Ok(ReserveOutcome::SoldOut)
     }
 
+    /// Reads the buyers of a sale found sold out, a batch at a time, and shuts
+    /// its gate unless a restock count moved meanwhile (a unit came back, and
+    /// with it maybe a buyer the reading missed).
     async fn shut_gate(
         &self,
         activity_id: &str,
         shards: u8,
         restock: Vec<(String, i64)>,
     ) -> RedisResult<()> {
+        self.gate.readings.fetch_add(1, Ordering::Relaxed);
         let mut buyers = std::collections::HashSet::new();
+        let mut conn = self.conn.clone();
         for k in Keys::all(activity_id, shards) {
-            let mut conn = self.conn.clone();
-            if conn.hlen::<_, usize>(&k.buyers).await? + buyers.len() > GATE_MAX_BUYERS {
-                return Ok(());
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, batch): (u64, Vec<String>) = redis::cmd("HSCAN")
+                    .arg(&k.buyers)
+                    .arg(cursor)
+                    .arg("COUNT")
+                    .arg(GATE_SCAN_BATCH)
+                    .query_async(&mut conn)
+                    .await?;
+                // Field, value, field, value…: the fields are the buyers.
+                buyers.extend(batch.into_iter().step_by(2));
+                if buyers.len() > GATE_MAX_BUYERS {
+                    return Ok(());
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
             }
-            let ids: Vec<String> = conn.hkeys(&k.buyers).await?;
-            buyers.extend(ids);
         }
-        self.gate.shut(activity_id, Shut { restock, buyers });
+        if self.restock_unchanged(&restock).await {
+            self.gate.shut(activity_id, Shut { restock, buyers });
+        }
         Ok(())
     }
 

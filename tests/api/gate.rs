@@ -37,6 +37,14 @@ async fn a_sold_out_sale_is_answered_from_memory() {
     )
     .await;
     assert_eq!(body["reservation_id"], reservation_id);
+    // The gate shuts once this instance has read the buyers, in the background.
+    eventually(Duration::from_secs(5), "the gate shut", || async {
+        app.state
+            .stock
+            .sold_out_from_memory(&sale.id, "probe")
+            .then_some(())
+    })
+    .await;
     // Take the sale's stock away from Redis: a request that reached the reserve
     // script now would be answered 503 (not loaded). Every one is 409 sold_out.
     let keys = flashsale::stock::Keys::new(&sale.id);
@@ -148,4 +156,40 @@ async fn returned_units_are_sold_again_during_a_flood() {
         flashsale::stock::SOLD_OUT_RECHECK
     );
     assert_eq!(app.redis_stock(&sale).await, Some(0));
+}
+
+/// Hundreds of requests discovering the sell-out at once cost Redis one reading
+/// of the buyers (a batched scan in the background), not one full copy each;
+/// buyers asking meanwhile still learn their reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_sell_out_is_discovered_once_per_instance() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(40, 1).await;
+    let buyers: Vec<String> = (0..40).map(|i| format!("buyer-{i}")).collect();
+    let bought =
+        futures::future::join_all(buyers.iter().map(|u| app.reserve(&sale.sku, u, None))).await;
+    assert!(bought.iter().all(|r| r.status() == StatusCode::ACCEPTED));
+    let before = app.state.stock.sold_out_gate_readings();
+    let late: Vec<String> = (0..400).map(|i| format!("late-{i}")).collect();
+    let flood =
+        futures::future::join_all(late.iter().map(|u| app.reserve(&sale.sku, u, None))).await;
+    for resp in flood {
+        assert_eq!(resp.status(), StatusCode::CONFLICT);
+    }
+    eventually(Duration::from_secs(5), "the gate shut", || async {
+        app.state
+            .stock
+            .sold_out_from_memory(&sale.id, "probe")
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        app.state.stock.sold_out_gate_readings() - before,
+        1,
+        "one reading of the buyers for the whole flood"
+    );
+    // Every buyer is known to the shut gate: each still hears already_reserved.
+    for u in &buyers {
+        assert!(!app.state.stock.sold_out_from_memory(&sale.id, u), "{u}");
+    }
 }
