@@ -182,18 +182,19 @@ pub async fn reserve(
     }
     // From here on, stock may be held: run the rest as its own task so that a
     // client hanging up (or the request timeout) cannot stop it half-way between
-    // Redis and Kafka. Shutdown waits for these tasks.
-    let turn = waiting_room.then(|| (activity.clone(), user.clone()));
+    // Redis and Kafka, nor between the answer and the turn it settles. Shutdown
+    // waits for these tasks.
     let task_state = state.clone();
     let handle = state.critical.spawn(async move {
-        reserve_and_publish(&task_state, &activity, &user, quantity, now).await
+        let result = reserve_and_publish(&task_state, &activity, &user, quantity, now).await;
+        if waiting_room {
+            settle_turn(&task_state, &activity, &user, &result).await;
+        }
+        result
     });
     let result = handle
         .await
         .map_err(|e| AppError::Internal(anyhow::Error::new(e).context("reserve task failed")))?;
-    if let Some((activity, user)) = &turn {
-        settle_turn(&state, activity, user, &result).await;
-    }
     match result {
         Ok(reserved) => {
             metrics::counter!("flashsale_reservations_total", "outcome" => "reserved").increment(1);
@@ -203,9 +204,13 @@ pub async fn reserve(
     }
 }
 
-/// Ends an admitted user's turn once the reserve script has decided: the next
-/// user in line gets it. A turn whose reserve failed otherwise (Redis or the
-/// broker unreachable) stays, to be tried again within it.
+/// Ends an admitted user's turn once their reservation was accepted (`202`):
+/// the next user in line gets it. Told `sold_out`, the user goes back to the
+/// front of the line, for the next unit that comes back. Any other answer
+/// leaves the turn as it is, to be tried again within it: a reserve that
+/// failed (Redis or the broker unreachable, the reservation withdrawn), and
+/// `already_reserved`, whose reservation may still be in flight on another
+/// request and be withdrawn (the request that gets its `202` settles the turn).
 async fn settle_turn(
     state: &AppState,
     activity: &Activity,
@@ -213,7 +218,7 @@ async fn settle_turn(
     result: &AppResult<Reserved>,
 ) {
     let outcome = match result {
-        Ok(_) | Err(AppError::AlreadyReserved { .. }) => "reserved",
+        Ok(_) => "reserved",
         Err(AppError::SoldOut) => "sold_out",
         Err(_) => return,
     };
@@ -221,6 +226,10 @@ async fn settle_turn(
         tracing::warn!(error = %err, activity_id = %activity.id, "settling a turn failed; it runs out by itself");
     }
 }
+
+/// How long a user told `sold_out` by the waiting room waits before asking
+/// again whether units came back.
+const SOLD_OUT_RETRY_SECS: u64 = 30;
 
 /// A user's ticket and place in a sale's waiting room.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -267,8 +276,11 @@ impl QueuePlace {
     /// How long a waiting client should wait before asking again: until the
     /// start before the draw, then longer the further back it stands.
     fn retry_after(&self, activity: &Activity, now: DateTime<Utc>) -> Option<u64> {
-        if self.state != "waiting" {
-            return None;
+        match self.state {
+            "waiting" => {}
+            // Not final while the sale is open: units may come back, slowly.
+            "sold_out" if now < activity.ends_at => return Some(SOLD_OUT_RETRY_SECS),
+            _ => return None,
         }
         Some(match self.ahead {
             None => (activity.starts_at - now).num_seconds().clamp(1, 30) as u64,

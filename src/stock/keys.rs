@@ -114,8 +114,14 @@ pub struct RoomKeys {
     pub admitted: String,
     /// Settled turns: user → `reserved`, `expired` or `sold_out`.
     pub outcome: String,
-    /// The draw (`seed`, `drawn`), `closed`, and the `admitted` and `expired` totals.
+    /// The draw (`seed`, `drawn`), `sealed` (no early join counts any more),
+    /// `closed`, and the `admitted` and `expired` totals.
     pub meta: String,
+    /// Facts not yet copied to MySQL (late joins, settled turns), oldest first,
+    /// so that a room Redis lost can be rebuilt without them.
+    pub journal: String,
+    /// Held by the instance copying the journal to MySQL.
+    pub journal_lock: String,
 }
 
 impl RoomKeys {
@@ -135,10 +141,12 @@ impl RoomKeys {
             admitted: key("admitted"),
             outcome: key("outcome"),
             meta: key("meta"),
+            journal: key("journal"),
+            journal_lock: key("journal-lock"),
         }
     }
 
-    pub fn all(&self) -> [&str; 7] {
+    pub fn all(&self) -> [&str; 9] {
         [
             &self.joined,
             &self.late,
@@ -147,6 +155,8 @@ impl RoomKeys {
             &self.admitted,
             &self.outcome,
             &self.meta,
+            &self.journal,
+            &self.journal_lock,
         ]
     }
 }

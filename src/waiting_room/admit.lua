@@ -1,9 +1,12 @@
 -- One admission step: turns that ran out are settled `expired`; then as many
 -- users as there are units left, minus those admitted already, are admitted in
--- queue order. When no unit can come back any more the room closes: everyone
--- still waiting is told `sold_out` (see status.lua).
+-- queue order. While no unit can come back the room is closed: everyone still
+-- waiting is told `sold_out` (see status.lua). That is not final: once units
+-- come back (a top-up, a lapse refunded, a repair) the next step reopens it and
+-- the line moves on from where it stood.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
+--       (see RoomKeys)
 -- ARGV[1] now (ms), ARGV[2] units left, ARGV[3] "1" when no unit can come back,
 -- ARGV[4] admitted until (ms) for those admitted now
 --
@@ -15,6 +18,7 @@ local gone = redis.call("ZRANGEBYSCORE", KEYS[5], "-inf", "(" .. ARGV[1])
 for _, user in ipairs(gone) do
   redis.call("ZREM", KEYS[5], user)
   redis.call("HSET", KEYS[6], user, "expired")
+  redis.call("RPUSH", KEYS[8], "expired\t" .. user)
 end
 if #gone > 0 then
   redis.call("HINCRBY", KEYS[7], "expired", #gone)
@@ -24,9 +28,7 @@ if ARGV[3] == "1" then
   redis.call("HSET", KEYS[7], "closed", "1")
   return {outstanding, 0, #gone}
 end
-if redis.call("HEXISTS", KEYS[7], "closed") == 1 then
-  return {outstanding, 0, #gone}
-end
+redis.call("HDEL", KEYS[7], "closed")
 local room = tonumber(ARGV[2]) - outstanding
 local admitted = 0
 if room > 0 then

@@ -1,6 +1,7 @@
 -- A user joins the waiting room: once, whatever the retries.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
+--       (see RoomKeys)
 -- ARGV[1] user id, ARGV[2] now (ms), ARGV[3] starts_at (ms), ARGV[4] the place
 --         offset of late joiners (behind every drawn place)
 --
@@ -10,12 +11,17 @@ if seq then
   return {0, seq}
 end
 seq = redis.call("INCR", KEYS[3])
-if tonumber(ARGV[2]) < tonumber(ARGV[3]) then
+-- Early only while the draw has not read the joiners yet (`sealed`, set in the
+-- same step as that read): a join that an instance's clock calls early but that
+-- runs after the read would be in no draw, and never placed.
+if tonumber(ARGV[2]) < tonumber(ARGV[3]) and redis.call("HEXISTS", KEYS[7], "sealed") == 0 then
   redis.call("ZADD", KEYS[1], seq, ARGV[1])
 else
-  -- Late: behind everyone drawn, in arrival order. Before the draw has run the
-  -- draw puts them there.
+  -- Late: behind everyone drawn, in arrival order. Before the draw is
+  -- committed, the commit puts them there. Journalled, so that a room rebuilt
+  -- after Redis lost it still has them.
   redis.call("ZADD", KEYS[2], seq, ARGV[1])
+  redis.call("RPUSH", KEYS[8], "late\t" .. ARGV[1] .. "\t" .. seq)
   if redis.call("HEXISTS", KEYS[7], "seed") == 1 then
     redis.call("ZADD", KEYS[4], tonumber(ARGV[4]) + seq, ARGV[1])
   end

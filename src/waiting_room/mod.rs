@@ -17,10 +17,21 @@
 //!   admission step (`admit.lua`, atomic, so instances do not add up): turns that
 //!   ran out are settled `expired`, then users are admitted in queue order until
 //!   as many hold a turn as there are units left. A turn ends when its user
-//!   reserves (`settle.lua`). When no unit can come back (none left, none pending,
-//!   no order awaiting payment) the room closes and everyone still waiting is
-//!   told `sold_out`.
+//!   reserves (`settle.lua`). While no unit can come back (none left, none
+//!   pending, no order awaiting payment) the room is closed and everyone still
+//!   waiting is told `sold_out`; units that come back later (a top-up, a lapse,
+//!   a repair) reopen it, and the line moves on from where it stood.
+//! - **The draw sees every early joiner.** It reads them in the same atomic
+//!   step that seals the early joins (`seal.lua`): a join after that is late,
+//!   whatever the joining instance's clock says.
 //! - **Cheap to wait.** A user's place is one script call (`status.lua`).
+//! - **A room Redis lost comes back.** Late joins and settled turns are
+//!   journalled in Redis and copied to MySQL in batches (`journal.lua`,
+//!   `waiting_room_journal`); a rebuilt room gets them back (`restore.lua`),
+//!   with every buyer of the sale settled, before its draw is written again, so
+//!   no turn goes to someone who bought or whose turn ran out, and late joiners
+//!   keep their place. What the last moment before the loss journalled and had
+//!   not copied yet is lost with Redis.
 //!
 //! Every key lives in the hash tag of the activity's shard 0 (`RoomKeys`).
 
@@ -48,6 +59,12 @@ const DRAW_CHUNK: usize = 5_000;
 /// How long a count of unpaid orders is reused (it is read only once nothing is
 /// left and nothing is pending).
 const UNPAID_TTL: Duration = Duration::from_secs(1);
+/// Journal entries copied to MySQL per batch, and batches per step.
+const JOURNAL_BATCH: usize = 1_000;
+const JOURNAL_BATCHES: usize = 10;
+/// How long the instance copying the journal holds it: long enough for a slow
+/// MySQL write, short enough that another instance takes over from one that died.
+const JOURNAL_LOCK: Duration = Duration::from_secs(10);
 
 /// Where a user stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,6 +113,9 @@ pub struct WaitingRoom {
     turn: Lua,
     settle: Lua,
     status: Lua,
+    seal: Lua,
+    restore: Lua,
+    journal: Lua,
     unpaid: Mutex<HashMap<String, (Instant, i64)>>,
 }
 
@@ -115,6 +135,9 @@ impl WaitingRoom {
             turn: Lua::new(include_str!("turn.lua")),
             settle: Lua::new(include_str!("settle.lua")),
             status: Lua::new(include_str!("status.lua")),
+            seal: Lua::new(include_str!("seal.lua")),
+            restore: Lua::new(include_str!("restore.lua")),
+            journal: Lua::new(include_str!("journal.lua")),
             unpaid: Mutex::default(),
         }
     }
@@ -185,7 +208,8 @@ impl WaitingRoom {
         Ok(ok == 1)
     }
 
-    /// Ends `user`'s turn with what the reserve script answered.
+    /// Ends `user`'s turn once their reservation was accepted (`reserved`), or
+    /// puts them back at the front of the line (`sold_out`).
     pub async fn settle(&self, a: &Activity, user: &str, outcome: &str) -> RedisResult<()> {
         let _: i64 = self
             .run(a, &self.settle, &[arg(user), arg(outcome)])
@@ -227,6 +251,10 @@ impl WaitingRoom {
         now: DateTime<Utc>,
         turn: Duration,
     ) -> anyhow::Result<()> {
+        // MySQL down stops the copy, not the room: the journal waits in Redis.
+        if let Err(err) = self.copy_journal(a).await {
+            tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "copying the waiting room's journal failed");
+        }
         if now < a.starts_at + DRAW_GRACE {
             return Ok(());
         }
@@ -300,16 +328,10 @@ impl WaitingRoom {
         if committed {
             return Ok(());
         }
+        let joined: Vec<(String, f64)> = self.run(a, &self.seal, &[]).await?;
         let (seed, order) = match load_draw(&self.pool, &a.id).await? {
             Some(draw) => draw,
             None => {
-                let joined: Vec<(String, f64)> = redis::cmd("ZRANGE")
-                    .arg(&keys.joined)
-                    .arg(0)
-                    .arg(-1)
-                    .arg("WITHSCORES")
-                    .query_async(&mut conn)
-                    .await?;
                 let arrivals: Vec<(String, u64)> =
                     joined.into_iter().map(|(u, s)| (u, s as u64)).collect();
                 let seed = new_seed();
@@ -332,6 +354,15 @@ impl WaitingRoom {
                 }
             }
         };
+        // A room rebuilt after a loss: its settled turns and late joiners first.
+        let restored = load_journal(&self.pool, &a.id).await?;
+        for chunk in restored.chunks(DRAW_CHUNK) {
+            let mut args = Vec::with_capacity(chunk.len() * 3);
+            for (user, what, seq) in chunk {
+                args.extend([arg(user), arg(what), arg(seq)]);
+            }
+            let _: i64 = self.run(a, &self.restore, &args).await?;
+        }
         for (i, chunk) in order.chunks(DRAW_CHUNK).enumerate() {
             let mut args = vec![arg(seed), arg(i * DRAW_CHUNK)];
             for (user, seq) in chunk {
@@ -349,6 +380,114 @@ impl WaitingRoom {
             .await?;
         Ok(())
     }
+}
+
+impl WaitingRoom {
+    /// Copies the room's journal to MySQL, a batch at a time, when this instance
+    /// holds its lock (one instance at a time; entries are dropped from Redis
+    /// only once MySQL has them, and only by a holder whose lock still stands).
+    async fn copy_journal(&self, a: &Activity) -> anyhow::Result<()> {
+        let token = uuid::Uuid::new_v4().to_string();
+        let lock_ms = JOURNAL_LOCK.as_millis().to_string();
+        for _ in 0..JOURNAL_BATCHES {
+            let entries: Vec<String> = self
+                .run(
+                    a,
+                    &self.journal,
+                    &[arg(&token), arg(&lock_ms), arg("take"), arg(JOURNAL_BATCH)],
+                )
+                .await?;
+            if entries.is_empty() {
+                return Ok(());
+            }
+            let rows: Vec<JournalRow> = entries.iter().filter_map(|e| parse_entry(e)).collect();
+            record_journal(&self.pool, &a.id, &rows).await?;
+            let _: Vec<i64> = self
+                .run(
+                    a,
+                    &self.journal,
+                    &[arg(&token), arg(&lock_ms), arg("trim"), arg(entries.len())],
+                )
+                .await?;
+            if entries.len() < JOURNAL_BATCH {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One journal entry: a user, what happened (`late`, `reserved`, `expired`),
+/// and a late joiner's arrival number.
+type JournalRow = (String, String, u64);
+
+fn parse_entry(entry: &str) -> Option<JournalRow> {
+    let mut parts = entry.split('\t');
+    let what = parts.next()?;
+    let user = parts.next()?;
+    let seq = match what {
+        "late" => parts.next()?.parse().ok()?,
+        "reserved" | "expired" => 0,
+        _ => return None,
+    };
+    Some((user.to_owned(), what.to_owned(), seq))
+}
+
+async fn record_journal(
+    pool: &MySqlPool,
+    activity_id: &str,
+    rows: &[JournalRow],
+) -> anyhow::Result<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut q = sqlx::QueryBuilder::new(
+        "INSERT IGNORE INTO waiting_room_journal (activity_id, user_id, kind, joined_seq, recorded_at) ",
+    );
+    let at = Utc::now().naive_utc();
+    q.push_values(rows, |mut b, (user, what, seq)| {
+        b.push_bind(activity_id)
+            .push_bind(user)
+            .push_bind(what)
+            .push_bind(*seq)
+            .push_bind(at);
+    });
+    q.build()
+        .execute(pool)
+        .await
+        .context("recording the waiting room's journal")?;
+    Ok(())
+}
+
+/// What a rebuilt room gets back: every buyer of the sale (`reserved`), the
+/// turns that ran out and the late joiners the journal recorded.
+async fn load_journal(pool: &MySqlPool, activity_id: &str) -> anyhow::Result<Vec<JournalRow>> {
+    let mut rows: Vec<JournalRow> = sqlx::query_as(
+        "SELECT user_id, CAST(kind AS CHAR), CAST(COALESCE(joined_seq, 0) AS UNSIGNED) \
+         FROM waiting_room_journal \
+         WHERE activity_id = ? AND kind IN ('late', 'expired')",
+    )
+    .bind(activity_id)
+    .fetch_all(pool)
+    .await
+    .context("reading the waiting room's journal")?;
+    let buyers: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT holder FROM orders WHERE activity_id = ? AND holder IS NOT NULL",
+    )
+    .bind(activity_id)
+    .fetch_all(pool)
+    .await
+    .context("reading the sale's buyers")?;
+    let journalled: Vec<String> = sqlx::query_scalar(
+        "SELECT user_id FROM waiting_room_journal WHERE activity_id = ? AND kind = 'reserved'",
+    )
+    .bind(activity_id)
+    .fetch_all(pool)
+    .await
+    .context("reading the waiting room's journal")?;
+    let buyers: std::collections::BTreeSet<String> = buyers.into_iter().chain(journalled).collect();
+    rows.extend(buyers.into_iter().map(|u| (u, "reserved".to_owned(), 0)));
+    Ok(rows)
 }
 
 fn ticket(a: &Activity, seq: &str) -> String {
@@ -465,7 +604,7 @@ pub async fn run(state: AppState, shutdown: CancellationToken) {
                 continue;
             }
             if let Err(err) = state.waiting_room.step(&state, &a, now, turn).await {
-                tracing::warn!(activity_id = %a.id, error = %err, "waiting room step failed");
+                tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "waiting room step failed");
             }
         }
     }

@@ -1,6 +1,7 @@
 -- A user's place in the waiting room, in one round trip.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
+--       (see RoomKeys)
 -- ARGV[1] user id, ARGV[2] now (ms)
 --
 -- Returns {state, ticket, users ahead (-1: not drawn yet or not waiting),

@@ -493,3 +493,356 @@ async fn a_queue_lost_with_redis_comes_back_in_the_drawn_order() {
     }
     app.stop().await;
 }
+
+/// The activity as the service holds it, for calling the room directly.
+fn activity(app: &TestApp, sku: &str) -> std::sync::Arc<flashsale::activity::Activity> {
+    app.state
+        .cache
+        .for_sku(sku, chrono::Utc::now())
+        .expect("the sale is cached")
+}
+
+async fn admitted_one(app: &TestApp, sku: &str, users: &[&str]) -> String {
+    eventually(Duration::from_secs(15), "a turn", || async {
+        for u in users {
+            if place(app, sku, u).await["state"] == "admitted" {
+                return Some((*u).to_owned());
+            }
+        }
+        None
+    })
+    .await
+}
+
+/// `sold_out` is not final: a top-up after the sell-out reopens the room, and the
+/// users still in line are admitted and buy.
+#[tokio::test]
+async fn a_room_told_sold_out_reopens_when_units_come_back() {
+    let app = spawn_app_with(with_workers).await;
+    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
+    let users = ["r0", "r1", "r2"];
+    for u in users {
+        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
+    }
+    let first = admitted_one(&app, &sku, &users).await;
+    assert_eq!(
+        app.reserve(&sku, &first, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    let (order, _): (u64, String) = eventually(Duration::from_secs(15), "the order", || async {
+        sqlx::query_as("SELECT id, user_id FROM orders WHERE activity_id = ?")
+            .bind(&id)
+            .fetch_optional(&app.state.pool)
+            .await
+            .expect("orders")
+    })
+    .await;
+    let paid = app
+        .client
+        .post(app.url(&format!("/orders/{order}/pay")))
+        .bearer_auth(app.token(&first))
+        .send()
+        .await
+        .expect("pay");
+    assert_eq!(paid.status(), StatusCode::OK);
+    let others: Vec<&str> = users.iter().copied().filter(|u| *u != first).collect();
+    eventually(
+        Duration::from_secs(10),
+        "the others told sold_out",
+        || async {
+            for u in &others {
+                if place(&app, &sku, u).await["state"] != "sold_out" {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await;
+    // Told to come back slowly, not told it is over.
+    let told = queue(&app, reqwest::Method::GET, &sku, others[0]).await;
+    assert_eq!(
+        told.headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok()),
+        Some("30")
+    );
+    // Two units more: both others get a turn, and buy.
+    let topped = app
+        .admin_post(
+            &format!("/admin/activities/{id}/stock"),
+            Some(json!({"add": 2})),
+        )
+        .await;
+    assert_eq!(topped.status(), StatusCode::OK);
+    eventually(Duration::from_secs(10), "the room reopened", || async {
+        for u in &others {
+            if place(&app, &sku, u).await["state"] != "admitted" {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    for u in &others {
+        assert_eq!(
+            app.reserve(&sku, u, None).await.status(),
+            StatusCode::ACCEPTED,
+            "{u}"
+        );
+    }
+    assert_eq!(room(&app, &id).await["closed"], false);
+    app.stop().await;
+}
+
+/// A join whose instance still calls it early (a clock a little behind) but that
+/// runs after the draw read the joiners is placed, behind the drawn.
+#[tokio::test]
+async fn an_early_join_after_the_draw_read_the_joiners_is_placed() {
+    let app = spawn_app_with(|_| {}).await;
+    let (id, sku) = room_sale(&app, 3, Duration::from_secs(2)).await;
+    for u in ["e0", "e1"] {
+        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
+    }
+    eventually(Duration::from_secs(15), "the draw", || async {
+        room(&app, &id).await["seed"].as_u64()
+    })
+    .await;
+    let a = activity(&app, &sku);
+    let early = a.starts_at - chrono::Duration::seconds(1);
+    let (_, new) = app
+        .state
+        .waiting_room
+        .join(&a, "behind", early)
+        .await
+        .expect("join");
+    assert!(new);
+    eventually(
+        Duration::from_secs(10),
+        "the late early joiner admitted",
+        || async { (place(&app, &sku, "behind").await["state"] == "admitted").then_some(()) },
+    )
+    .await;
+    app.stop().await;
+}
+
+/// While another request's reservation of the same user is still in flight, an
+/// `already_reserved` does not end the turn: if that reservation is withdrawn
+/// the user still holds the turn (and no more), and reserves within it.
+#[tokio::test]
+async fn already_reserved_does_not_end_a_turn() {
+    let app = spawn_app_with(|_| {}).await;
+    let (id, sku) = room_sale(&app, 2, Duration::from_secs(2)).await;
+    let users = ["d0", "d1", "d2"];
+    for u in users {
+        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
+    }
+    let user = admitted_one(&app, &sku, &users).await;
+    // A reservation of theirs held in Redis, not yet answered.
+    let rid = flashsale::stock::new_reservation_id(&user, 1);
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    app.state
+        .stock
+        .reserve(&id, &user, 1, &rid, now_ms)
+        .await
+        .expect("reserve");
+    assert_error(
+        app.reserve(&sku, &user, None).await,
+        StatusCode::CONFLICT,
+        "already_reserved",
+    )
+    .await;
+    let p = place(&app, &sku, &user).await;
+    assert_eq!(p["state"], "admitted", "{p}");
+    assert!(p["admitted_until"].is_string(), "the turn still runs: {p}");
+    // That reservation is withdrawn: the turn is still theirs.
+    app.state
+        .stock
+        .refund(&id, &rid, &user, 1, flashsale::stock::RefundMode::Undo)
+        .await
+        .expect("undo");
+    assert_eq!(
+        app.reserve(&sku, &user, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    let p = place(&app, &sku, &user).await;
+    assert_eq!(p["state"], "admitted");
+    assert!(p.get("admitted_until").is_none(), "settled: {p}");
+    app.stop().await;
+}
+
+/// An admitted user told `sold_out` goes back to the front of the line and gets
+/// the next unit that comes back.
+#[tokio::test]
+async fn an_admitted_user_told_sold_out_gets_the_next_unit() {
+    let app = spawn_app_with(|_| {}).await;
+    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
+    let users = ["s0", "s1", "s2"];
+    for u in users {
+        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
+    }
+    let user = admitted_one(&app, &sku, &users).await;
+    // Someone else's reservation takes the only unit, still pending.
+    let rid = flashsale::stock::new_reservation_id("outsider", 1);
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    app.state
+        .stock
+        .reserve(&id, "outsider", 1, &rid, now_ms)
+        .await
+        .expect("reserve");
+    assert_error(
+        app.reserve(&sku, &user, None).await,
+        StatusCode::CONFLICT,
+        "sold_out",
+    )
+    .await;
+    let p = place(&app, &sku, &user).await;
+    assert_eq!(p["state"], "waiting", "{p}");
+    assert_eq!(p["position"], 1, "first in line: {p}");
+    // The unit comes back: it is theirs to buy.
+    app.state
+        .stock
+        .refund(&id, &rid, "outsider", 1, flashsale::stock::RefundMode::Undo)
+        .await
+        .expect("undo");
+    eventually(Duration::from_secs(10), "the turn back", || async {
+        (place(&app, &sku, &user).await["state"] == "admitted").then_some(())
+    })
+    .await;
+    // This instance's sold-out gate reopens within its recheck bound.
+    eventually(Duration::from_secs(5), "the gate reopened", || async {
+        (!app.state.stock.sold_out_from_memory(&id, &user)).then_some(())
+    })
+    .await;
+    assert_eq!(
+        app.reserve(&sku, &user, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    app.stop().await;
+}
+
+/// A room Redis lost comes back without giving turns to those who bought or
+/// whose turn ran out, and with its late joiners in line.
+#[tokio::test]
+async fn a_room_rebuilt_keeps_its_buyers_expired_turns_and_late_joiners() {
+    let app = spawn_app_with(|s| s.waiting_room.turn_secs = 1).await;
+    let (id, sku) = room_sale(&app, 2, Duration::from_secs(2)).await;
+    let users: Vec<String> = (0..8).map(|i| format!("b{i}")).collect();
+    for u in &users {
+        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
+    }
+    let names: Vec<&str> = users.iter().map(String::as_str).collect();
+    let buyer = admitted_one(&app, &sku, &names).await;
+    assert_eq!(
+        app.reserve(&sku, &buyer, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    // Someone's turn runs out unused.
+    let expired = eventually(Duration::from_secs(15), "a turn run out", || async {
+        for u in &users {
+            if place(&app, &sku, u).await["state"] == "expired" {
+                return Some(u.clone());
+            }
+        }
+        None
+    })
+    .await;
+    assert_eq!(
+        join(&app, &sku, "latecomer").await.status(),
+        StatusCode::CREATED
+    );
+    // All three facts reach MySQL.
+    eventually(Duration::from_secs(10), "the journal copied", || async {
+        let kinds: Vec<String> = sqlx::query_scalar(
+            "SELECT kind FROM waiting_room_journal WHERE activity_id = ? AND user_id IN (?, ?, ?)",
+        )
+        .bind(&id)
+        .bind(&buyer)
+        .bind(&expired)
+        .bind("latecomer")
+        .fetch_all(&app.state.pool)
+        .await
+        .expect("journal");
+        (kinds.len() == 3).then_some(())
+    })
+    .await;
+    let seed = room(&app, &id).await["seed"].clone();
+    let keys = flashsale::stock::RoomKeys::new(&id, 1);
+    let mut conn = app.state.stock.connection();
+    for k in keys.all() {
+        let _: () = redis::cmd("DEL")
+            .arg(k)
+            .query_async(&mut conn)
+            .await
+            .expect("DEL");
+    }
+    eventually(Duration::from_secs(10), "the room rebuilt", || async {
+        (room(&app, &id).await["seed"] == seed).then_some(())
+    })
+    .await;
+    let p = place(&app, &sku, &buyer).await;
+    assert_eq!(p["state"], "admitted", "the buyer: {p}");
+    assert!(p.get("admitted_until").is_none(), "no new turn: {p}");
+    assert_eq!(place(&app, &sku, &expired).await["state"], "expired");
+    let late = place(&app, &sku, "latecomer").await;
+    assert!(
+        late["state"] == "admitted" || late["position"].is_u64(),
+        "the late joiner is in line: {late}"
+    );
+    app.stop().await;
+}
+
+/// A client that hangs up while its reservation waits for the broker does not
+/// leave its turn held: the reservation's own task settles it once accepted.
+#[tokio::test]
+async fn a_turn_is_settled_when_the_client_hangs_up() {
+    use tokio::io::AsyncWriteExt;
+    let broker = crate::helpers::OwnBroker::start();
+    let brokers = broker.brokers();
+    let app = spawn_app_with(|s| s.kafka.brokers = brokers).await;
+    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
+    let users = ["h0", "h1"];
+    for u in users {
+        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
+    }
+    let user = admitted_one(&app, &sku, &users).await;
+    // The broker stalls: the reservation is held in Redis and its publish waits.
+    broker.broker.pause();
+    let host = app.address.trim_start_matches("http://").to_owned();
+    let mut socket = tokio::net::TcpStream::connect(&host)
+        .await
+        .expect("connect");
+    let request = format!(
+        "POST /flash/{sku}/reserve HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {}\r\ncontent-length: 0\r\n\r\n",
+        app.token(&user)
+    );
+    socket
+        .write_all(request.as_bytes())
+        .await
+        .expect("request written");
+    let keys = flashsale::stock::Keys::new(&id);
+    let conn = app.state.stock.connection();
+    eventually(Duration::from_secs(10), "the reservation held", || {
+        let (keys, mut conn, user) = (&keys, conn.clone(), &user);
+        async move {
+            let rid: Option<String> = redis::cmd("HGET")
+                .arg(&keys.buyers)
+                .arg(user)
+                .query_async(&mut conn)
+                .await
+                .expect("HGET");
+            rid
+        }
+    })
+    .await;
+    // The client gives up while the publish waits; then the broker comes back.
+    socket.shutdown().await.expect("hang up");
+    drop(socket);
+    broker.broker.resume();
+    eventually(Duration::from_secs(10), "the turn settled", || async {
+        let p = place(&app, &sku, &user).await;
+        (p["state"] == "admitted" && p.get("admitted_until").is_none()).then_some(())
+    })
+    .await;
+    app.stop().await;
+}

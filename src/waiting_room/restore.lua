@@ -1,0 +1,31 @@
+-- Part of a room rebuilt after Redis lost it, before its draw is written again:
+-- the settled turns (a user who reserved, a turn that ran out) and the late
+-- joiners, as MySQL recorded them (the journal, the orders). The draw then
+-- leaves settled users out of the line, and the commit queues the late joiners
+-- behind the drawn again. Running this twice changes nothing.
+--
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
+--       (see RoomKeys)
+-- ARGV[1..] triples: user, `reserved` | `expired` | `late`, arrival number (late)
+--
+-- Returns 0 when the draw was committed before (nothing written), 1 otherwise.
+if redis.call("HEXISTS", KEYS[7], "seed") == 1 then
+  return 0
+end
+local last_seq = tonumber(redis.call("GET", KEYS[3]) or "0")
+for i = 1, #ARGV, 3 do
+  local user, what = ARGV[i], ARGV[i + 1]
+  if what == "late" then
+    local seq = tonumber(ARGV[i + 2])
+    if not redis.call("ZSCORE", KEYS[1], user) and not redis.call("ZSCORE", KEYS[2], user) then
+      redis.call("ZADD", KEYS[2], seq, user)
+    end
+    if seq > last_seq then
+      last_seq = seq
+    end
+  elseif redis.call("HGET", KEYS[6], user) ~= "reserved" then
+    redis.call("HSET", KEYS[6], user, what)
+  end
+end
+redis.call("SET", KEYS[3], last_seq)
+return 1
