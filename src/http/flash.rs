@@ -18,7 +18,7 @@ use crate::orders::{Decision, Incoming, OrderStatus, OrderWriter};
 use crate::queue::ReservationMessage;
 use crate::state::AppState;
 use crate::stock::{FateChange, RefundMode, ReserveOutcome};
-use crate::waiting_room::Place;
+use crate::waiting_room::{Place, Turn};
 
 fn activity_for(state: &AppState, sku: &str, now: DateTime<Utc>) -> AppResult<Arc<Activity>> {
     if !is_valid_sku(sku) {
@@ -166,19 +166,25 @@ pub async fn reserve(
     if activity.paused {
         return Err(count(AppError::Paused));
     }
-    // The flood after the sell-out: answered here, before a task or an id is made.
-    if state.stock.sold_out_from_memory(&activity.id, &user.id) {
-        return Err(count(AppError::SoldOut));
-    }
     let waiting_room = activity.admission == Admission::WaitingRoom;
-    if waiting_room
-        && !state
+    if waiting_room {
+        // The room is asked first, and a user holding a turn goes past the
+        // sold-out gate: the turn may come from units that came back before
+        // this instance's gate has seen them.
+        match state
             .waiting_room
-            .may_reserve(&activity, &user.id, now)
+            .turn(&activity, &user.id, now)
             .await
             .map_err(redis_down)?
-    {
-        return Err(count(AppError::NotAdmitted));
+        {
+            Turn::Held => {}
+            Turn::RanOut => return Err(count(ran_out(&state, &activity, &user).await?)),
+            Turn::None => return Err(count(AppError::NotAdmitted)),
+        }
+    } else if state.stock.sold_out_from_memory(&activity.id, &user.id) {
+        // The flood after the sell-out: answered here, before a task or an id
+        // is made.
+        return Err(count(AppError::SoldOut));
     }
     // From here on, stock may be held: run the rest as its own task so that a
     // client hanging up (or the request timeout) cannot stop it half-way between
@@ -205,11 +211,11 @@ pub async fn reserve(
 }
 
 /// Ends an admitted user's turn once their reservation was accepted (`202`):
-/// the next user in line gets it. Told `sold_out`, the user goes back to the
-/// front of the line, for the next unit that comes back. Any other answer
-/// leaves the turn as it is, to be tried again within it: a reserve that
-/// failed (Redis or the broker unreachable, the reservation withdrawn), and
-/// `already_reserved`, whose reservation may still be in flight on another
+/// the next user in line gets it. Any other answer leaves the turn running, to
+/// be tried again within it: `sold_out` (units may come back within the turn,
+/// and the answer may come from a moment's view of a sibling shard), a reserve
+/// that failed (Redis or the broker unreachable, the reservation withdrawn),
+/// and `already_reserved`, whose reservation may still be in flight on another
 /// request and be withdrawn (the request that gets its `202` settles the turn).
 async fn settle_turn(
     state: &AppState,
@@ -217,18 +223,34 @@ async fn settle_turn(
     user: &User,
     result: &AppResult<Reserved>,
 ) {
-    let outcome = match result {
-        Ok(_) => "reserved",
-        Err(AppError::SoldOut) => "sold_out",
-        Err(_) => return,
-    };
-    if let Err(err) = state.waiting_room.settle(activity, &user.id, outcome).await {
+    if result.is_err() {
+        return;
+    }
+    if let Err(err) = state.waiting_room.settle(activity, &user.id).await {
         tracing::warn!(error = %err, activity_id = %activity.id, "settling a turn failed; it runs out by itself");
     }
 }
 
+/// The answer to a user whose turn ran out: `already_reserved` when they hold
+/// a reservation all the same (made within the turn and answered after its end,
+/// or whose answer was lost), which settles the turn; `not_admitted` otherwise.
+async fn ran_out(state: &AppState, activity: &Activity, user: &User) -> AppResult<AppError> {
+    let held = state
+        .stock
+        .reservation_of(&activity.id, activity.stock_shards, &user.id)
+        .await
+        .map_err(redis_down)?;
+    let Some(reservation_id) = held else {
+        return Ok(AppError::NotAdmitted);
+    };
+    if let Err(err) = state.waiting_room.settle(activity, &user.id).await {
+        tracing::warn!(error = %err, activity_id = %activity.id, "settling a turn failed");
+    }
+    Ok(AppError::AlreadyReserved { reservation_id })
+}
+
 /// How long a user told `sold_out` by the waiting room waits before asking
-/// again whether units came back.
+/// again whether units came back (at most half a turn).
 const SOLD_OUT_RETRY_SECS: u64 = 30;
 
 /// A user's ticket and place in a sale's waiting room.
@@ -275,11 +297,13 @@ impl QueuePlace {
 
     /// How long a waiting client should wait before asking again: until the
     /// start before the draw, then longer the further back it stands.
-    fn retry_after(&self, activity: &Activity, now: DateTime<Utc>) -> Option<u64> {
+    fn retry_after(&self, activity: &Activity, now: DateTime<Utc>, turn_secs: u64) -> Option<u64> {
+        let sold_out_retry = SOLD_OUT_RETRY_SECS.min(turn_secs / 2).max(1);
         match self.state {
             "waiting" => {}
-            // Not final while the sale is open: units may come back, slowly.
-            "sold_out" if now < activity.ends_at => return Some(SOLD_OUT_RETRY_SECS),
+            // Not final while the sale is open: units may come back. Slowly,
+            // but often enough that a turn given on a reopening is not missed.
+            "sold_out" if now < activity.ends_at => return Some(sold_out_retry),
             _ => return None,
         }
         Some(match self.ahead {
@@ -303,13 +327,14 @@ fn room_for(state: &AppState, sku: &str, now: DateTime<Utc>) -> AppResult<Arc<Ac
 }
 
 fn with_retry_after(
+    state: &AppState,
     status: StatusCode,
     place: QueuePlace,
     activity: &Activity,
     now: DateTime<Utc>,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let retry = place.retry_after(activity, now);
+    let retry = place.retry_after(activity, now, state.settings.waiting_room.turn_secs);
     let mut response = (status, Json(place)).into_response();
     if let Some(secs) = retry {
         response.headers_mut().insert(
@@ -352,9 +377,12 @@ pub async fn join_queue(
     }
     let (_, joined_now) = state
         .waiting_room
-        .join(&activity, &user.id, now)
+        .join(&activity, &user.id)
         .await
-        .map_err(redis_down)?;
+        .map_err(redis_down)?
+        .ok_or(AppError::Unavailable(
+            "the waiting room is being rebuilt; join again in a moment",
+        ))?;
     if joined_now {
         metrics::counter!("flashsale_waiting_room_joins_total").increment(1);
     }
@@ -370,7 +398,7 @@ pub async fn join_queue(
     } else {
         StatusCode::OK
     };
-    Ok(with_retry_after(status, place, &activity, now))
+    Ok(with_retry_after(&state, status, place, &activity, now))
 }
 
 #[utoipa::path(
@@ -402,7 +430,13 @@ pub async fn queue_status(
         .map_err(redis_down)?;
     let place = QueuePlace::of(place)
         .ok_or_else(|| AppError::not_found("this user has not joined the waiting room"))?;
-    Ok(with_retry_after(StatusCode::OK, place, &activity, now))
+    Ok(with_retry_after(
+        &state,
+        StatusCode::OK,
+        place,
+        &activity,
+        now,
+    ))
 }
 
 /// Counts every refused reservation by its code.
@@ -419,17 +453,32 @@ async fn reserve_and_publish(
     now: DateTime<Utc>,
 ) -> AppResult<Reserved> {
     let new_id = crate::stock::new_reservation_id(&user.id, activity.stock_shards);
-    let outcome = match state
-        .stock
-        .reserve(
-            &activity.id,
-            &user.id,
-            quantity,
-            &new_id,
-            now.timestamp_millis(),
-        )
-        .await
-    {
+    // A user holding a waiting-room turn goes past the sold-out gate (see
+    // `reserve`).
+    let reserved = if activity.admission == Admission::WaitingRoom {
+        state
+            .stock
+            .reserve_past_gate(
+                &activity.id,
+                &user.id,
+                quantity,
+                &new_id,
+                now.timestamp_millis(),
+            )
+            .await
+    } else {
+        state
+            .stock
+            .reserve(
+                &activity.id,
+                &user.id,
+                quantity,
+                &new_id,
+                now.timestamp_millis(),
+            )
+            .await
+    };
+    let outcome = match reserved {
         Ok(outcome) => outcome,
         Err(err) => {
             tracing::warn!(error = %err, activity_id = %activity.id, "reserve script failed");

@@ -350,11 +350,19 @@ pub const SOLD_OUT_RECHECK: Duration = Duration::from_millis(50);
 /// on to Redis until the gate is shut.
 #[derive(Default)]
 struct SoldOutGate {
-    shut: Mutex<HashMap<String, Shut>>,
-    /// Activities whose buyers are being read now, to shut their gate.
-    closing: Mutex<std::collections::HashSet<String>>,
+    state: Mutex<GateState>,
     /// How many times buyers were read to shut a gate, since start.
     readings: AtomicUsize,
+}
+
+#[derive(Default)]
+struct GateState {
+    shut: HashMap<String, Shut>,
+    /// Activities whose buyers are being read now, to shut their gate.
+    closing: std::collections::HashSet<String>,
+    /// Activities with more buyers than a gate keeps: never gated (buyers only
+    /// grow, so this does not change).
+    too_large: std::collections::HashSet<String>,
 }
 
 struct Shut {
@@ -368,50 +376,48 @@ const GATE_MAX_BUYERS: usize = 1_000_000;
 const GATE_SCAN_BATCH: usize = 1_000;
 
 impl SoldOutGate {
+    fn state(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Whether `user_id` is to be told `sold_out` from memory.
     fn refuses(&self, activity_id: &str, user_id: &str) -> bool {
-        let shut = self.shut.lock().unwrap_or_else(|e| e.into_inner());
-        shut.get(activity_id)
+        self.state()
+            .shut
+            .get(activity_id)
             .is_some_and(|s| !s.buyers.contains(user_id))
     }
 
-    fn shut(&self, activity_id: &str, shut_now: Shut) {
-        let mut shut = self.shut.lock().unwrap_or_else(|e| e.into_inner());
-        shut.insert(activity_id.to_owned(), shut_now);
-    }
-
     /// Whether this call is the one to read `activity_id`'s buyers: it is not
-    /// shut already and no one else is at it.
+    /// shut already, not too large to gate, and no one else is at it.
     fn begin_closing(&self, activity_id: &str) -> bool {
-        if self
-            .shut
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains_key(activity_id)
-        {
+        let mut state = self.state();
+        if state.shut.contains_key(activity_id) || state.too_large.contains(activity_id) {
             return false;
         }
-        self.closing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(activity_id.to_owned())
+        state.closing.insert(activity_id.to_owned())
     }
 
-    fn end_closing(&self, activity_id: &str) {
-        self.closing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(activity_id);
+    /// Ends a reading: the gate shut with what it found, or left open.
+    fn end_closing(&self, activity_id: &str, found: Option<Shut>, too_large: bool) {
+        let mut state = self.state();
+        state.closing.remove(activity_id);
+        if too_large {
+            state.too_large.insert(activity_id.to_owned());
+        }
+        if let Some(shut) = found {
+            state.shut.insert(activity_id.to_owned(), shut);
+        }
     }
 
     fn open(&self, activity_id: &str) {
-        let mut shut = self.shut.lock().unwrap_or_else(|e| e.into_inner());
-        shut.remove(activity_id);
+        self.state().shut.remove(activity_id);
     }
 
     fn snapshot(&self) -> Vec<(String, Vec<(String, i64)>)> {
-        let shut = self.shut.lock().unwrap_or_else(|e| e.into_inner());
-        shut.iter()
+        self.state()
+            .shut
+            .iter()
             .map(|(k, v)| (k.clone(), v.restock.clone()))
             .collect()
     }
@@ -524,6 +530,21 @@ impl StockStore {
         if self.sold_out_from_memory(activity_id, user_id) {
             return Ok(ReserveOutcome::SoldOut);
         }
+        self.reserve_past_gate(activity_id, user_id, quantity, reservation_id, now_ms)
+            .await
+    }
+
+    /// [`reserve`](Self::reserve) without asking the sold-out gate first: for a
+    /// user the waiting room just admitted, whose turn may come from units that
+    /// came back before this instance's gate has seen them.
+    pub async fn reserve_past_gate(
+        &self,
+        activity_id: &str,
+        user_id: &str,
+        quantity: u32,
+        reservation_id: &str,
+        now_ms: i64,
+    ) -> RedisResult<ReserveOutcome> {
         let home = Keys::of_reservation(activity_id, reservation_id);
         let (_, shards) = shard_of(reservation_id);
         let reserve = |transfer: Option<(String, i64, String)>| {
@@ -582,28 +603,44 @@ impl StockStore {
             let store = self.clone();
             let activity_id = activity_id.to_owned();
             tokio::spawn(async move {
-                if let Err(err) = store.shut_gate(&activity_id, shards, empty).await {
-                    tracing::debug!(%activity_id, error = %err, "the sold-out gate stays open");
-                }
-                store.gate.end_closing(&activity_id);
+                let (found, too_large) = match store.read_buyers(&activity_id, shards, empty).await
+                {
+                    Ok(read) => read,
+                    Err(err) => {
+                        tracing::debug!(%activity_id, error = %err, "the sold-out gate stays open");
+                        (None, false)
+                    }
+                };
+                store.gate.end_closing(&activity_id, found, too_large);
             });
         }
         Ok(ReserveOutcome::SoldOut)
     }
 
-    /// Reads the buyers of a sale found sold out, a batch at a time, and shuts
-    /// its gate unless a restock count moved meanwhile (a unit came back, and
-    /// with it maybe a buyer the reading missed).
-    async fn shut_gate(
+    /// Reads the buyers of a sale found sold out, a batch at a time: what to
+    /// shut its gate with, unless a restock count moved meanwhile (a unit came
+    /// back, and with it maybe a buyer the reading missed) or a shard's buyers
+    /// number other than what was read (the scan spanned a failover); and
+    /// whether the sale has too many buyers to gate at all.
+    async fn read_buyers(
         &self,
         activity_id: &str,
         shards: u8,
         restock: Vec<(String, i64)>,
-    ) -> RedisResult<()> {
+    ) -> RedisResult<(Option<Shut>, bool)> {
         self.gate.readings.fetch_add(1, Ordering::Relaxed);
-        let mut buyers = std::collections::HashSet::new();
         let mut conn = self.conn.clone();
-        for k in Keys::all(activity_id, shards) {
+        let keys = Keys::all(activity_id, shards);
+        let mut total = 0;
+        for k in &keys {
+            total += conn.hlen::<_, usize>(&k.buyers).await?;
+        }
+        if total > GATE_MAX_BUYERS {
+            return Ok((None, true));
+        }
+        let mut buyers = std::collections::HashSet::with_capacity(total);
+        for k in &keys {
+            let before = buyers.len();
             let mut cursor: u64 = 0;
             loop {
                 let (next, batch): (u64, Vec<String>) = redis::cmd("HSCAN")
@@ -615,19 +652,19 @@ impl StockStore {
                     .await?;
                 // Field, value, field, value…: the fields are the buyers.
                 buyers.extend(batch.into_iter().step_by(2));
-                if buyers.len() > GATE_MAX_BUYERS {
-                    return Ok(());
-                }
                 if next == 0 {
                     break;
                 }
                 cursor = next;
             }
+            if conn.hlen::<_, usize>(&k.buyers).await? != buyers.len() - before {
+                return Ok((None, false));
+            }
         }
-        if self.restock_unchanged(&restock).await {
-            self.gate.shut(activity_id, Shut { restock, buyers });
+        if !self.restock_unchanged(&restock).await {
+            return Ok((None, false));
         }
-        Ok(())
+        Ok((Some(Shut { restock, buyers }), false))
     }
 
     /// Reopens the sales this instance keeps shut once any of their shards'

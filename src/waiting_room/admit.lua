@@ -8,7 +8,8 @@
 -- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
 --       (see RoomKeys)
 -- ARGV[1] now (ms), ARGV[2] units left, ARGV[3] "1" when no unit can come back,
--- ARGV[4] admitted until (ms) for those admitted now
+-- ARGV[4] admitted until (ms) for those admitted now, ARGV[5] the sale's end
+-- (ms): from then on, by Redis's clock, the room stays closed (`ended`)
 --
 -- Returns {admitted and unsettled, admitted now, expired now}.
 if redis.call("HEXISTS", KEYS[7], "seed") == 0 then
@@ -24,7 +25,11 @@ if #gone > 0 then
   redis.call("HINCRBY", KEYS[7], "expired", #gone)
 end
 local outstanding = redis.call("ZCARD", KEYS[5])
-if ARGV[3] == "1" then
+local t = redis.call("TIME")
+if tonumber(t[1]) * 1000 >= tonumber(ARGV[5]) then
+  redis.call("HSET", KEYS[7], "ended", "1")
+end
+if ARGV[3] == "1" or redis.call("HEXISTS", KEYS[7], "ended") == 1 then
   redis.call("HSET", KEYS[7], "closed", "1")
   return {outstanding, 0, #gone}
 end

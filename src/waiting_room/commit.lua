@@ -14,7 +14,10 @@ local late = redis.call("ZRANGE", KEYS[2], 0, -1, "WITHSCORES")
 local offset = tonumber(ARGV[3])
 for i = 1, #late, 2 do
   local user = late[i]
-  if not redis.call("HGET", KEYS[6], user) and not redis.call("ZSCORE", KEYS[5], user) then
+  -- A drawn user who joined again while the room was being rebuilt keeps
+  -- their drawn place.
+  if not redis.call("HGET", KEYS[6], user) and not redis.call("ZSCORE", KEYS[5], user)
+      and not redis.call("ZSCORE", KEYS[1], user) then
     redis.call("ZADD", KEYS[4], offset + tonumber(late[i + 1]), user)
   end
 end

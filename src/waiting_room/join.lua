@@ -2,19 +2,30 @@
 --
 -- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
 --       (see RoomKeys)
--- ARGV[1] user id, ARGV[2] now (ms), ARGV[3] starts_at (ms), ARGV[4] the place
+-- ARGV[1] user id, ARGV[2] lost after (ms: a room neither sealed nor drawn by
+--         then was lost with Redis), ARGV[3] starts_at (ms), ARGV[4] the place
 --         offset of late joiners (behind every drawn place)
 --
--- Returns {1, ticket} joined now, {0, ticket} joined before.
+-- Returns {1, ticket} joined now, {0, ticket} joined before, {-1, ""} the room
+-- is being rebuilt (try again shortly).
 local seq = redis.call("ZSCORE", KEYS[1], ARGV[1]) or redis.call("ZSCORE", KEYS[2], ARGV[1])
 if seq then
   return {0, seq}
 end
+-- One clock for every instance: Redis's.
+local t = redis.call("TIME")
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local sealed = redis.call("HEXISTS", KEYS[7], "sealed") == 1
+if not sealed and now >= tonumber(ARGV[2]) then
+  -- Past the draw and nothing of it here: Redis lost the room. Joining now
+  -- would hand out arrival numbers again from 1; wait for the rebuild.
+  return {-1, ""}
+end
 seq = redis.call("INCR", KEYS[3])
 -- Early only while the draw has not read the joiners yet (`sealed`, set in the
--- same step as that read): a join that an instance's clock calls early but that
--- runs after the read would be in no draw, and never placed.
-if tonumber(ARGV[2]) < tonumber(ARGV[3]) and redis.call("HEXISTS", KEYS[7], "sealed") == 0 then
+-- same step as that read): a join that runs after the read would be in no
+-- draw, and never placed.
+if now < tonumber(ARGV[3]) and not sealed then
   redis.call("ZADD", KEYS[1], seq, ARGV[1])
 else
   -- Late: behind everyone drawn, in arrival order. Before the draw is

@@ -84,6 +84,17 @@ pub enum Place {
     Expired { ticket: String },
 }
 
+/// Whether a user may reserve on a sale with a waiting room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Turn {
+    /// Admitted and within their turn, or reserved already.
+    Held,
+    /// Their turn ran out; a reservation made within it may still stand.
+    RanOut,
+    /// Not admitted.
+    None,
+}
+
 /// What the operators see of a waiting room.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct RoomFigures {
@@ -152,26 +163,28 @@ impl WaitingRoom {
         invoke(&self.conn, lua, &keys.all(), args).await
     }
 
-    /// Joins `user`: their ticket, and whether they joined just now.
-    pub async fn join(
-        &self,
-        a: &Activity,
-        user: &str,
-        now: DateTime<Utc>,
-    ) -> RedisResult<(String, bool)> {
+    /// Joins `user`: their ticket, and whether they joined just now; `None`
+    /// while a room Redis lost is being rebuilt (joining then would give
+    /// arrival numbers again from 1).
+    pub async fn join(&self, a: &Activity, user: &str) -> RedisResult<Option<(String, bool)>> {
+        let lost_after =
+            a.starts_at + chrono::Duration::from_std(DRAW_GRACE * 2).unwrap_or_default();
         let (new, seq): (i64, String) = self
             .run(
                 a,
                 &self.join,
                 &[
                     arg(user),
-                    arg(ms(now)),
+                    arg(ms(lost_after)),
                     arg(ms(a.starts_at)),
                     arg(LATE_PLACES),
                 ],
             )
             .await?;
-        Ok((ticket(a, &seq), new == 1))
+        if new < 0 {
+            return Ok(None);
+        }
+        Ok(Some((ticket(a, &seq), new == 1)))
     }
 
     /// Where `user` stands, in one round trip.
@@ -198,22 +211,18 @@ impl WaitingRoom {
     }
 
     /// Whether `user` holds a turn now (or has reserved already).
-    pub async fn may_reserve(
-        &self,
-        a: &Activity,
-        user: &str,
-        now: DateTime<Utc>,
-    ) -> RedisResult<bool> {
-        let ok: i64 = self.run(a, &self.turn, &[arg(user), arg(ms(now))]).await?;
-        Ok(ok == 1)
+    pub async fn turn(&self, a: &Activity, user: &str, now: DateTime<Utc>) -> RedisResult<Turn> {
+        let turn: i64 = self.run(a, &self.turn, &[arg(user), arg(ms(now))]).await?;
+        Ok(match turn {
+            1 => Turn::Held,
+            2 => Turn::RanOut,
+            _ => Turn::None,
+        })
     }
 
-    /// Ends `user`'s turn once their reservation was accepted (`reserved`), or
-    /// puts them back at the front of the line (`sold_out`).
-    pub async fn settle(&self, a: &Activity, user: &str, outcome: &str) -> RedisResult<()> {
-        let _: i64 = self
-            .run(a, &self.settle, &[arg(user), arg(outcome)])
-            .await?;
+    /// Settles `user`'s turn: their reservation was accepted.
+    pub async fn settle(&self, a: &Activity, user: &str) -> RedisResult<()> {
+        let _: i64 = self.run(a, &self.settle, &[arg(user)]).await?;
         Ok(())
     }
 
@@ -251,10 +260,6 @@ impl WaitingRoom {
         now: DateTime<Utc>,
         turn: Duration,
     ) -> anyhow::Result<()> {
-        // MySQL down stops the copy, not the room: the journal waits in Redis.
-        if let Err(err) = self.copy_journal(a).await {
-            tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "copying the waiting room's journal failed");
-        }
         if now < a.starts_at + DRAW_GRACE {
             return Ok(());
         }
@@ -285,6 +290,7 @@ impl WaitingRoom {
                     arg(left),
                     arg(if over { "1" } else { "0" }),
                     arg(ms(until)),
+                    arg(ms(a.ends_at)),
                 ],
             )
             .await
@@ -328,8 +334,34 @@ impl WaitingRoom {
         if committed {
             return Ok(());
         }
-        let joined: Vec<(String, f64)> = self.run(a, &self.seal, &[]).await?;
-        let (seed, order) = match load_draw(&self.pool, &a.id).await? {
+        // What MySQL knows first (a room rebuilt after a loss): the draw, the
+        // late joiners and settled turns, and so the highest arrival number.
+        let recorded = load_draw(&self.pool, &a.id).await?;
+        let restored = load_journal(&self.pool, &a.id).await?;
+        let highest = recorded
+            .iter()
+            .flat_map(|(_, order)| order.iter().map(|(_, seq)| *seq))
+            .chain(restored.iter().map(|(_, _, seq)| *seq))
+            .max()
+            .unwrap_or(0);
+        let due = a.starts_at + chrono::Duration::from_std(DRAW_GRACE).unwrap_or_default();
+        let sealed: Vec<String> = self
+            .run(a, &self.seal, &[arg(ms(due)), arg(highest)])
+            .await?;
+        let Some((head, joined)) = sealed.split_first() else {
+            return Ok(());
+        };
+        if head != "due" {
+            return Ok(());
+        }
+        let joined: Vec<(String, f64)> = joined
+            .chunks(2)
+            .filter_map(|pair| match pair {
+                [user, score] => Some((user.clone(), score.parse().ok()?)),
+                _ => None,
+            })
+            .collect();
+        let (seed, order) = match recorded {
             Some(draw) => draw,
             None => {
                 let arrivals: Vec<(String, u64)> =
@@ -355,7 +387,6 @@ impl WaitingRoom {
             }
         };
         // A room rebuilt after a loss: its settled turns and late joiners first.
-        let restored = load_journal(&self.pool, &a.id).await?;
         for chunk in restored.chunks(DRAW_CHUNK) {
             let mut args = Vec::with_capacity(chunk.len() * 3);
             for (user, what, seq) in chunk {
@@ -589,6 +620,46 @@ pub async fn load_draw(
 /// its end, each `tick` (the admission steps are atomic, so instances never add
 /// up their admissions).
 pub async fn run(state: AppState, shutdown: CancellationToken) {
+    tokio::join!(
+        admit_every_tick(state.clone(), shutdown.clone()),
+        copy_journals(state, shutdown)
+    );
+}
+
+/// How often each instance tries to copy the rooms' journals to MySQL, and how
+/// long one copy may take: apart from the admissions, so that a slow or
+/// unreachable MySQL never holds them up.
+const JOURNAL_EVERY: Duration = Duration::from_millis(500);
+const JOURNAL_TIMEOUT: Duration = Duration::from_secs(5);
+
+async fn copy_journals(state: AppState, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(JOURNAL_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let now = Utc::now();
+        for a in state.cache.waiting_rooms(now) {
+            if now > a.ends_at + chrono::Duration::minutes(1) {
+                continue;
+            }
+            let copied = tokio::time::timeout(JOURNAL_TIMEOUT, state.waiting_room.copy_journal(&a));
+            match copied.await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => {
+                    tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "copying the waiting room's journal failed");
+                }
+                Err(_) => {
+                    tracing::warn!(activity_id = %a.id, "copying the waiting room's journal timed out");
+                }
+            }
+        }
+    }
+}
+
+async fn admit_every_tick(state: AppState, shutdown: CancellationToken) {
     let settings = &state.settings.waiting_room;
     let turn = Duration::from_secs(settings.turn_secs);
     let mut tick = tokio::time::interval(Duration::from_millis(settings.tick_ms));

@@ -17,7 +17,9 @@ for i = 1, #ARGV, 3 do
   local user, what = ARGV[i], ARGV[i + 1]
   if what == "late" then
     local seq = tonumber(ARGV[i + 2])
-    if not redis.call("ZSCORE", KEYS[1], user) and not redis.call("ZSCORE", KEYS[2], user) then
+    -- The recorded arrival number wins over one given while the room was
+    -- being rebuilt.
+    if not redis.call("ZSCORE", KEYS[1], user) then
       redis.call("ZADD", KEYS[2], seq, user)
     end
     if seq > last_seq then

@@ -1,22 +1,18 @@
--- Settles an admitted user's turn once their reservation was accepted (`202`):
--- their place among the admitted frees up for the next user in line. A user
--- told `sold_out` while holding a turn goes back to the front of the line
--- instead: the answer may come from a moment's view (a sibling shard seen dry
--- a few milliseconds ago), and units may come back; the room gives them the
--- next turn that a unit allows.
+-- Settles a user's turn once their reservation was accepted (`202`): their
+-- place among the admitted frees up for the next user in line. Settled even
+-- when the turn ran out while the reservation was in flight, or the user is
+-- back in line: they hold a reservation, and are a buyer from now on.
 --
 -- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
 --       (see RoomKeys)
--- ARGV[1] user id, ARGV[2] `reserved` or `sold_out`
+-- ARGV[1] user id
 --
--- Returns 1 when the user held a turn, 0 otherwise (nothing changes).
-if redis.call("ZREM", KEYS[5], ARGV[1]) == 0 then
+-- Returns 1 when this call settled it, 0 when it was settled before.
+redis.call("ZREM", KEYS[5], ARGV[1])
+redis.call("ZREM", KEYS[4], ARGV[1])
+if redis.call("HGET", KEYS[6], ARGV[1]) == "reserved" then
   return 0
 end
-if ARGV[2] == "reserved" then
-  redis.call("HSET", KEYS[6], ARGV[1], "reserved")
-  redis.call("RPUSH", KEYS[8], "reserved\t" .. ARGV[1])
-else
-  redis.call("ZADD", KEYS[4], 0, ARGV[1])
-end
+redis.call("HSET", KEYS[6], ARGV[1], "reserved")
+redis.call("RPUSH", KEYS[8], "reserved\t" .. ARGV[1])
 return 1

@@ -5,9 +5,13 @@
 --       (see RoomKeys)
 -- ARGV[1] user id, ARGV[2] now (ms)
 --
--- Returns 1 (may reserve) or 0 (not admitted).
-if redis.call("HGET", KEYS[6], ARGV[1]) == "reserved" then
+-- Returns 1 (may reserve), 2 (their turn ran out: they may still hold a
+-- reservation made in it, answered after its end) or 0 (not admitted).
+local outcome = redis.call("HGET", KEYS[6], ARGV[1])
+if outcome == "reserved" then
   return 1
+elseif outcome == "expired" then
+  return 2
 end
 local until_ms = redis.call("ZSCORE", KEYS[5], ARGV[1])
 if until_ms and tonumber(until_ms) >= tonumber(ARGV[2]) then

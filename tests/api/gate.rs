@@ -115,6 +115,13 @@ async fn returned_units_are_sold_again_during_a_flood() {
         (refused.load(Ordering::Relaxed) > 200).then_some(())
     })
     .await;
+    eventually(Duration::from_secs(5), "the gate shut", || async {
+        app.state
+            .stock
+            .sold_out_from_memory(&sale.id, "probe")
+            .then_some(())
+    })
+    .await;
     // Another instance returns them: this one learns of it only through the
     // restock counts it rechecks.
     let other = flashsale::stock::StockStore::new(
