@@ -534,17 +534,33 @@ impl Reconciler {
     }
 
     async fn audit(&self, activity: &Activity, report: &mut Report) -> anyhow::Result<()> {
-        let total = i64::from(activity.stock);
+        // Every MySQL figure fresh, and read before Redis (as the stale check
+        // reads the builds): a change MySQL commits after this read is either
+        // already in Redis too, and the second read below sees it and refuses, or
+        // not yet in Redis, which is no drift. The caller's `activity` may come
+        // from an instance's cache, a second old: a top-up's units in its `stock`
+        // would be missing, and the new units in Redis would read as drift and be
+        // "repaired" away.
         let read_mysql = || async {
-            let fresh = self.activities.get(&activity.id).await?;
+            let fresh = self
+                .activities
+                .get(&activity.id)
+                .await?
+                .ok_or(sqlx::Error::RowNotFound)?;
             let live = self.orders.live_units(&activity.id).await?;
             let mut owed = self.orders.owed_units(&activity.id).await?;
             // Top-ups not yet in Redis are units Redis is owed, like a refund.
             owed.extend(self.activities.unapplied_topups(&activity.id).await?);
-            Ok::<_, sqlx::Error>((fresh.map(|a| a.available), live, owed))
+            // In one order, so two reads compare.
+            owed.sort_unstable();
+            Ok::<_, sqlx::Error>((
+                i64::from(fresh.stock),
+                i64::from(fresh.available),
+                live,
+                owed,
+            ))
         };
-        let (available, live, owed) = read_mysql().await?;
-        let available = i64::from(available.unwrap_or_default());
+        let (total, available, live, owed) = read_mysql().await?;
         report.mysql = MysqlFigures {
             stock: total,
             available,
@@ -580,8 +596,8 @@ impl Reconciler {
                 .push("repair refused: the consumers still have lag".into());
             return Ok(());
         }
-        let (_, live_again, owed_again) = read_mysql().await?;
-        if live_again != live || owed_again != owed {
+        let (total_again, _, live_again, owed_again) = read_mysql().await?;
+        if total_again != total || live_again != live || owed_again != owed {
             report
                 .refused
                 .push("repair refused: MySQL changed during the check; next pass".into());
