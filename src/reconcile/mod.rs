@@ -548,11 +548,8 @@ impl Reconciler {
                 .await?
                 .ok_or(sqlx::Error::RowNotFound)?;
             let live = self.orders.live_units(&activity.id).await?;
-            let mut owed = self.orders.owed_units(&activity.id).await?;
-            // Top-ups not yet in Redis are units Redis is owed, like a refund.
-            owed.extend(self.activities.unapplied_topups(&activity.id).await?);
-            // In one order, so two reads compare.
-            owed.sort_unstable();
+            // Top-ups not yet in Redis among them, like refunds.
+            let owed = self.orders.owed_to_redis(&activity.id).await?;
             Ok::<_, sqlx::Error>((
                 i64::from(fresh.stock),
                 i64::from(fresh.available),

@@ -841,34 +841,54 @@ impl StockStore {
 
     /// MySQL refused the reservation for lack of units: drops it and lowers the
     /// stock to what MySQL still has (`available`), never raising it. Returns the
-    /// units the stock was lowered by (`None`: done before). For a split activity
-    /// the units its other shards hold are read first and left to them.
+    /// units the stock was lowered by (`None`: done before). `owed`: the units
+    /// MySQL counts as available and Redis has yet to get back (reservation or
+    /// top-up id, units; see `OrderRepo::owed_to_redis`), read after `available`;
+    /// they are left room for, so their refunds do not lift Redis above MySQL.
+    /// For a split activity the units its other shards account for are read
+    /// first and left to them.
     pub async fn lower(
         &self,
         activity_id: &str,
         reservation_id: &str,
         user_id: &str,
         available: i64,
+        owed: &[(String, u32)],
     ) -> RedisResult<Option<i64>> {
         let k = Keys::of_reservation(activity_id, reservation_id);
         let (_, shards) = shard_of(reservation_id);
         let mut others = 0;
         for sibling in Keys::all(activity_id, shards) {
             if sibling.shard != k.shard {
-                let part = self.audit_shard(&sibling, 0, &[], None).await?;
-                others += part.stock.max(0) + part.pending_units;
+                let part = self
+                    .audit_shard(&sibling, 0, &owed_on(owed, sibling.shard), None)
+                    .await?;
+                others += part.stock.max(0) + part.holds() - part.stock;
             }
+        }
+        let mut args = vec![
+            arg(reservation_id),
+            arg(user_id),
+            arg(available),
+            arg(others),
+        ];
+        for (id, units) in owed_on(owed, k.shard) {
+            args.push(arg(id));
+            args.push(arg(units));
         }
         let n: i64 = self
             .run(
                 &self.lower,
-                &[&k.stock, &k.buyers, &k.pending, &k.res, &k.refunded],
                 &[
-                    arg(reservation_id),
-                    arg(user_id),
-                    arg(available),
-                    arg(others),
+                    &k.stock,
+                    &k.buyers,
+                    &k.pending,
+                    &k.res,
+                    &k.refunded,
+                    &k.lent,
+                    &k.received,
                 ],
+                &args,
             )
             .await?;
         Ok((n >= 0).then_some(n))
