@@ -136,6 +136,37 @@ impl Reconciler {
             .remove(activity_id);
     }
 
+    /// How long a publish may still be on its way: the publish timeout, and the
+    /// time for its acknowledgement to reach the service and its offset the lag.
+    fn in_flight(&self) -> Duration {
+        self.kafka.publish_timeout() + PUBLISH_GRACE
+    }
+
+    /// The consumers' lag, measured once every publish that may have been in
+    /// flight when the activity was lost (as this instance first saw it, or now)
+    /// has been acknowledged, and is in the lag, or has failed; `None` if the
+    /// broker does not answer. The operator's preload waits for it as the
+    /// automatic rebuild does (`recover`): a reservation made in the lost state
+    /// and acknowledged after the lag was read would reach MySQL after the build
+    /// counted its unit as for sale.
+    pub async fn lag_once_published(&self, activity_id: &str) -> Option<i64> {
+        let since = self
+            .lost_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(activity_id)
+            .copied()
+            .unwrap_or_else(Instant::now);
+        tokio::time::sleep_until((since + self.in_flight()).into()).await;
+        match queue::consumer_lag(&self.kafka).await {
+            Ok(lag) => Some(lag),
+            Err(err) => {
+                tracing::warn!(error = %err, "consumer lag unknown");
+                None
+            }
+        }
+    }
+
     /// The last report this instance made for an activity.
     pub fn last_report(&self, activity_id: &str) -> Option<Report> {
         let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
@@ -260,7 +291,7 @@ impl Reconciler {
             .unwrap_or_else(|e| e.into_inner())
             .entry(activity.id.clone())
             .or_insert_with(Instant::now);
-        let in_flight = self.kafka.publish_timeout() + PUBLISH_GRACE;
+        let in_flight = self.in_flight();
         if !activity.paused {
             report.paused_automatically = self
                 .activities

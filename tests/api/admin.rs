@@ -4,7 +4,15 @@ use chrono::Utc;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
-use crate::helpers::{assert_error, spawn_app, unique};
+use std::time::{Duration, Instant};
+
+use testkit::invariants::Answer;
+
+use crate::helpers::{
+    assert_error, eventually, spawn_app, spawn_app_with, unique, with_workers, Relay, TestApp,
+};
+
+const WAIT: Duration = Duration::from_secs(60);
 
 #[tokio::test]
 async fn create_returns_the_stored_activity_and_refuses_overlaps() {
@@ -308,4 +316,88 @@ async fn activities_are_listed_newest_first_with_live_figures() {
     assert_eq!(entry["live"]["redis_stock"], 4, "{entry}");
     assert_eq!(entry["live"]["reservations_pending"], 0, "{entry}");
     assert!(entry["orders_by_status"].is_object(), "{entry}");
+}
+
+/// An app whose Redis is reached through `relay` (which a test can hold).
+async fn app_behind(
+    relay: &Relay,
+    customise: impl FnOnce(&mut flashsale::config::Settings),
+) -> TestApp {
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    spawn_app_with(|s| {
+        with_workers(s);
+        s.redis.url = url;
+        // Requests held in the relay for a while are late, not failed.
+        s.redis.response_timeout_ms = 5_000;
+        customise(s);
+    })
+    .await
+}
+
+/// Redis loses the sale while a reservation's message still waits in the
+/// producer, and an operator preloads at once. The build must wait that publish
+/// out, as the automatic rebuild does: built before its order reaches MySQL, it
+/// counts the unit as for sale, and the unit is promised twice (the order the
+/// message makes, and a new buyer's `202`, which MySQL then refuses).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_preload_waits_out_the_publishes_in_flight() {
+    let relay = Relay::start("127.0.0.1:6379").await;
+    let app = app_behind(&relay, |s| {
+        // Every message waits 1.5 s in the producer before it is sent.
+        s.kafka.linger_ms = 1_500;
+        s.kafka.publish_timeout_ms = 2_500;
+    })
+    .await;
+    let sale = app.open_sale(2, 1).await;
+    let reserve = |user: String| {
+        let request = app
+            .client
+            .post(app.url(&format!("/flash/{}/reserve", sale.sku)))
+            .bearer_auth(app.token(&user));
+        async move { Answer::from_response(request.send().await).await }
+    };
+    let started = Instant::now();
+    let in_flight = tokio::spawn(reserve("in-flight".into()));
+    eventually(WAIT, "the reservation in Redis", || async {
+        let s = app.state.stock.snapshot(&sale.id, 1).await.ok()?;
+        (s.pending == 1).then_some(())
+    })
+    .await;
+    let k = flashsale::stock::Keys::new(&sale.id);
+    let mut conn = app.state.stock.connection();
+    let _: () = redis::pipe()
+        .del(&[&k.stock, &k.state, &k.buyers, &k.pending, &k.res])
+        .query_async(&mut conn)
+        .await
+        .expect("Redis loses the sale");
+    // While its message is acknowledged (1.5 s after it was sent to the
+    // producer), the service's Redis requests wait: the consumer writes the
+    // order before the request can ask MySQL for a withdrawal.
+    let hold = async {
+        tokio::time::sleep_until((started + Duration::from_millis(1_000)).into()).await;
+        relay.hold();
+        tokio::time::sleep_until((started + Duration::from_millis(2_200)).into()).await;
+        relay.release();
+    };
+    let preload = async {
+        eventually(WAIT, "the preload", || async {
+            let resp = app
+                .admin_post(&format!("/admin/activities/{}/preload", sale.id), None)
+                .await;
+            // 503 while the consumers drain the queue.
+            (resp.status() == StatusCode::OK).then_some(())
+        })
+        .await;
+        // Two new buyers as soon as it is built.
+        let a = tokio::spawn(reserve("next-1".into()));
+        let b = tokio::spawn(reserve("next-2".into()));
+        vec![a.await.expect("answer"), b.await.expect("answer")]
+    };
+    let ((), mut answers) = tokio::join!(hold, preload);
+    answers.push(in_flight.await.expect("answer"));
+    let probe = app.probe(&sale);
+    probe.wait_quiet(WAIT).await.expect("quiet");
+    let figures = probe.check(&answers).await.expect("invariants hold");
+    assert_eq!(figures.accepted, 2, "{figures:?}");
+    assert_eq!(figures.failed, 0, "{figures:?}");
 }
