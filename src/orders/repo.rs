@@ -579,6 +579,17 @@ impl OrderRepo {
         Ok(owed)
     }
 
+    /// An activity's cancelled orders (lapsed payments), returned or not.
+    pub async fn cancelled(&self, activity_id: &str) -> Result<Vec<Order>, sqlx::Error> {
+        let rows: Vec<OrderRow> = sqlx::query_as(&format!(
+            "SELECT {COLUMNS} FROM orders WHERE activity_id = ? AND status = 'cancelled'"
+        ))
+        .bind(activity_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter().map(from_row).collect()
+    }
+
     /// Failed and cancelled orders whose units are not yet back in Redis.
     pub async fn unreturned(&self, limit: u32) -> Result<Vec<Order>, sqlx::Error> {
         let rows: Vec<OrderRow> = sqlx::query_as(&format!(

@@ -39,7 +39,7 @@ use crate::activity::{Activity, ActivityCache, ActivityRepo, Window};
 use crate::config::KafkaSettings;
 use crate::orders::{Decision, Incoming, OrderRepo, OrderWriter};
 use crate::queue;
-use crate::stock::{Audit, Build, Fate, PreloadMode, RefundOutcome, StockStore};
+use crate::stock::{Audit, Build, Fate, PreloadMode, RefundMode, RefundOutcome, StockStore};
 
 const EXPIRED_BATCH: usize = 500;
 /// How soon a rebuild that waits for the consumers is tried again.
@@ -431,12 +431,49 @@ impl Reconciler {
             self.activities
                 .record_build(&activity.id, build.epoch)
                 .await?;
+            self.return_late_lapses(activity, &build).await?;
         }
         Ok(if built {
             Rebuild::Built(build)
         } else {
             Rebuild::AlreadyLoaded
         })
+    }
+
+    /// Returns to the state just written the units of orders cancelled after the
+    /// build's snapshot (a payment that lapsed meanwhile). The sweeper cancelled
+    /// such an order after the snapshot was read, so its unit is not in the
+    /// build's stock; and it may have returned the unit before the build was
+    /// written (into the state the build replaced, or to a Redis that had lost
+    /// the activity), where the build wiped it. Read only now, after the write:
+    /// a lapse cancelled later still is refunded by the sweeper into this state.
+    /// Each refund is once per reservation in this state, so this and the
+    /// sweeper's never both count; a newer build that read the lapse holds it
+    /// among its returned units, and this is a no-op there.
+    async fn return_late_lapses(&self, activity: &Activity, build: &Build) -> anyhow::Result<()> {
+        let counted: std::collections::HashSet<&str> =
+            build.returned.iter().map(String::as_str).collect();
+        for order in self.orders.cancelled(&activity.id).await? {
+            if counted.contains(order.reservation_id.as_str()) {
+                continue;
+            }
+            let outcome = self
+                .stock
+                .refund(
+                    &activity.id,
+                    &order.reservation_id,
+                    &order.user_id,
+                    order.quantity,
+                    RefundMode::Return,
+                )
+                .await?;
+            if let RefundOutcome::Returned { units } = outcome {
+                tracing::info!(activity_id = %activity.id, reservation_id = %order.reservation_id, units, "a lapse cancelled during the rebuild returned to the new state");
+                metrics::counter!("flashsale_units_returned_total", "why" => "rebuild")
+                    .increment(u64::from(units));
+            }
+        }
+        Ok(())
     }
 
     async fn decide_expired(&self, activity: &Activity, report: &mut Report) -> anyhow::Result<()> {

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use testkit::invariants::Answer;
 
 use crate::helpers::{
-    assert_error, eventually, spawn_app, spawn_app_with, unique, with_workers, Relay, TestApp,
+    assert_error, eventually, order_counts, spawn_app, spawn_app_with, unique, with_workers, Relay,
+    TestApp,
 };
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -400,4 +401,110 @@ async fn a_preload_waits_out_the_publishes_in_flight() {
     let figures = probe.check(&answers).await.expect("invariants hold");
     assert_eq!(figures.accepted, 2, "{figures:?}");
     assert_eq!(figures.failed, 0, "{figures:?}");
+}
+
+/// A payment lapses while an operator's preload is between its MySQL snapshot
+/// and its Redis write, and the sweeper returns the unit at once, into the state
+/// the preload is about to replace. The unit must be on sale once the preload is
+/// done: in MySQL's count and in Redis, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lapse_during_a_preload_is_on_sale_after_it() {
+    let relay = Relay::start("127.0.0.1:6379").await;
+    let app = app_behind(&relay, |_| {}).await;
+    let sale = app.open_sale(3, 1).await;
+    let resp = app.reserve(&sale.sku, "lapser", None).await;
+    let answers = vec![Answer::from_response(Ok(resp)).await];
+    assert_eq!(answers[0].status, Some(202));
+    eventually(WAIT, "the order, confirmed", || async {
+        let s = app.state.stock.snapshot(&sale.id, 1).await.ok()?;
+        let ordered = order_counts(&app, &sale.id).await.get("pending_payment") == Some(&1);
+        (ordered && s.pending == 0).then_some(())
+    })
+    .await;
+    // Its payment deadline passes; no sweeper has run yet.
+    sqlx::query("UPDATE orders SET expires_at = NOW(3) - INTERVAL 1 SECOND WHERE activity_id = ?")
+        .bind(&sale.id)
+        .execute(&app.state.pool)
+        .await
+        .expect("the deadline passes");
+    let resp = app
+        .admin_post(&format!("/admin/activities/{}/pause", sale.id), None)
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    // The sweeper runs on an instance that reaches Redis directly.
+    let db = app.settings.mysql.url.clone();
+    let kafka = app.settings.kafka.clone();
+    let other = spawn_app_with(|s| {
+        s.mysql.url = db;
+        s.kafka = kafka;
+    })
+    .await;
+    let sweeper = flashsale::orders::Sweeper {
+        repo: other.state.orders.clone(),
+        stock: other.state.stock.clone(),
+    };
+    let epoch = || async {
+        let (epoch,): (u32,) = sqlx::query_as("SELECT redis_epoch FROM activities WHERE id = ?")
+            .bind(&sale.id)
+            .fetch_one(&app.state.pool)
+            .await
+            .expect("epoch");
+        epoch
+    };
+    let before = epoch().await;
+
+    // The preload's snapshot waits behind this lock until the relay holds the
+    // preload's Redis write.
+    let mut lock = app.state.pool.begin().await.expect("a transaction");
+    sqlx::query("SELECT id FROM activities WHERE id = ? FOR UPDATE")
+        .bind(&sale.id)
+        .execute(&mut *lock)
+        .await
+        .expect("the activity's lock");
+    let preload = tokio::spawn({
+        let request = app
+            .client
+            .post(app.url(&format!("/admin/activities/{}/preload", sale.id)))
+            .bearer_auth(app.admin_token());
+        async move { request.send().await.expect("an answer") }
+    });
+    eventually(WAIT, "the preload waiting for its snapshot", || async {
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE() \
+             AND ID <> CONNECTION_ID() AND INFO LIKE '%redis_epoch FROM activities WHERE id%FOR UPDATE%'",
+        )
+        .fetch_one(&app.state.pool)
+        .await
+        .ok()?;
+        (n > 0).then_some(())
+    })
+    .await;
+    relay.hold();
+    lock.commit().await.expect("commit");
+    eventually(WAIT, "the snapshot taken", || async {
+        (epoch().await > before).then_some(())
+    })
+    .await;
+    let swept = sweeper.sweep_once().await.expect("sweep");
+    assert_eq!((swept.cancelled, swept.returned), (1, 1), "{swept:?}");
+    relay.release();
+    let resp = preload.await.expect("preload");
+    assert_eq!(resp.status(), StatusCode::OK);
+
+    assert_eq!(
+        app.redis_stock(&sale).await,
+        Some(3),
+        "the lapse's unit is back, once"
+    );
+    let again = sweeper.sweep_once().await.expect("sweep");
+    assert_eq!((again.cancelled, again.returned), (0, 0), "{again:?}");
+    let resp = app
+        .admin_post(&format!("/admin/activities/{}/resume", sale.id), None)
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let probe = app.probe(&sale);
+    probe.wait_quiet(WAIT).await.expect("quiet");
+    let figures = probe.check(&answers).await.expect("invariants hold");
+    assert_eq!(figures.cancelled, 1, "{figures:?}");
+    other.stop().await;
 }
