@@ -14,7 +14,6 @@ use serde_json::{json, Value};
 use super::{body, redis_down};
 use crate::activity::{is_valid_id, Activity, CreateError, NewActivity, Window};
 use crate::error::{AppError, AppResult};
-use crate::queue;
 use crate::reconcile::Rebuild;
 use crate::state::AppState;
 use crate::stock::PreloadMode;
@@ -92,9 +91,11 @@ pub struct Preloaded {
     )
 )]
 /// `POST /admin/activities/{id}/preload`: (re)builds the Redis state from MySQL,
-/// as safely as the automatic rebuild (`Reconciler::rebuild`). An activity that is
-/// not loaded is loaded whatever its window; a loaded one is refused while it is
-/// open and not paused, since reservations keep arriving.
+/// as safely as the automatic rebuild (`Reconciler::rebuild`), after the same wait
+/// for publishes in flight (up to the publish timeout and half a second, for an
+/// activity loaded before). An activity that is not loaded is loaded whatever its
+/// window; a loaded one is refused while it is open and not paused, since
+/// reservations keep arriving.
 pub async fn preload(
     State(state): State<AppState>,
     Path(id): Path<String>,
@@ -112,12 +113,11 @@ pub async fn preload(
             "the sale is open: pause it before preloading".into(),
         ));
     }
-    // Only an activity that was loaded before can have messages in the queue.
+    // Only an activity that was loaded before can have messages in the queue, or
+    // publishes still on their way to it: those are waited out first, as the
+    // automatic rebuild does.
     let lag = if activity.redis_epoch > 0 {
-        queue::consumer_lag(&state.settings.kafka)
-            .await
-            .map_err(|e| tracing::warn!(error = %e, "consumer lag unknown"))
-            .ok()
+        state.reconciler.lag_once_published(&id).await
     } else {
         Some(0)
     };

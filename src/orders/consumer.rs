@@ -216,9 +216,24 @@ impl OrderWriter {
                         available,
                         "MySQL holds fewer units than Redis handed out; the reservation failed and Redis is lowered"
                     );
+                    // Read after MySQL's `available` (committed with the batch):
+                    // a unit owed after that read only lowers the cap.
+                    let owed = match self.repo.owed_to_redis(&m.activity_id).await {
+                        Ok(owed) => owed,
+                        Err(err) => {
+                            tracing::warn!(error = %err, reservation_id = %m.reservation_id, "units owed to Redis unknown; lowering without them, the reconciler repairs the drift");
+                            Vec::new()
+                        }
+                    };
                     match self
                         .stock
-                        .lower(&m.activity_id, &m.reservation_id, &m.user_id, *available)
+                        .lower(
+                            &m.activity_id,
+                            &m.reservation_id,
+                            &m.user_id,
+                            *available,
+                            &owed,
+                        )
                         .await
                     {
                         Ok(Some(by)) if by > 0 => {

@@ -562,6 +562,34 @@ impl OrderRepo {
         .await
     }
 
+    /// Units MySQL counts as available that Redis has yet to get back: the
+    /// failed and cancelled orders of `owed_units`, and the top-ups not yet added
+    /// to Redis; (reservation or top-up id, units), sorted, so two reads compare.
+    pub async fn owed_to_redis(
+        &self,
+        activity_id: &str,
+    ) -> Result<Vec<(String, u32)>, sqlx::Error> {
+        let mut owed = self.owed_units(activity_id).await?;
+        owed.extend(
+            crate::activity::ActivityRepo::new(self.pool.clone())
+                .unapplied_topups(activity_id)
+                .await?,
+        );
+        owed.sort_unstable();
+        Ok(owed)
+    }
+
+    /// An activity's cancelled orders (lapsed payments), returned or not.
+    pub async fn cancelled(&self, activity_id: &str) -> Result<Vec<Order>, sqlx::Error> {
+        let rows: Vec<OrderRow> = sqlx::query_as(&format!(
+            "SELECT {COLUMNS} FROM orders WHERE activity_id = ? AND status = 'cancelled'"
+        ))
+        .bind(activity_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.into_iter().map(from_row).collect()
+    }
+
     /// Failed and cancelled orders whose units are not yet back in Redis.
     pub async fn unreturned(&self, limit: u32) -> Result<Vec<Order>, sqlx::Error> {
         let rows: Vec<OrderRow> = sqlx::query_as(&format!(

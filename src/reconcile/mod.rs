@@ -39,7 +39,7 @@ use crate::activity::{Activity, ActivityCache, ActivityRepo, Window};
 use crate::config::KafkaSettings;
 use crate::orders::{Decision, Incoming, OrderRepo, OrderWriter};
 use crate::queue;
-use crate::stock::{Audit, Build, Fate, PreloadMode, RefundOutcome, StockStore};
+use crate::stock::{Audit, Build, Fate, PreloadMode, RefundMode, RefundOutcome, StockStore};
 
 const EXPIRED_BATCH: usize = 500;
 /// How soon a rebuild that waits for the consumers is tried again.
@@ -134,6 +134,37 @@ impl Reconciler {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(activity_id);
+    }
+
+    /// How long a publish may still be on its way: the publish timeout, and the
+    /// time for its acknowledgement to reach the service and its offset the lag.
+    fn in_flight(&self) -> Duration {
+        self.kafka.publish_timeout() + PUBLISH_GRACE
+    }
+
+    /// The consumers' lag, measured once every publish that may have been in
+    /// flight when the activity was lost (as this instance first saw it, or now)
+    /// has been acknowledged, and is in the lag, or has failed; `None` if the
+    /// broker does not answer. The operator's preload waits for it as the
+    /// automatic rebuild does (`recover`): a reservation made in the lost state
+    /// and acknowledged after the lag was read would reach MySQL after the build
+    /// counted its unit as for sale.
+    pub async fn lag_once_published(&self, activity_id: &str) -> Option<i64> {
+        let since = self
+            .lost_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(activity_id)
+            .copied()
+            .unwrap_or_else(Instant::now);
+        tokio::time::sleep_until((since + self.in_flight()).into()).await;
+        match queue::consumer_lag(&self.kafka).await {
+            Ok(lag) => Some(lag),
+            Err(err) => {
+                tracing::warn!(error = %err, "consumer lag unknown");
+                None
+            }
+        }
     }
 
     /// The last report this instance made for an activity.
@@ -260,7 +291,7 @@ impl Reconciler {
             .unwrap_or_else(|e| e.into_inner())
             .entry(activity.id.clone())
             .or_insert_with(Instant::now);
-        let in_flight = self.kafka.publish_timeout() + PUBLISH_GRACE;
+        let in_flight = self.in_flight();
         if !activity.paused {
             report.paused_automatically = self
                 .activities
@@ -400,12 +431,49 @@ impl Reconciler {
             self.activities
                 .record_build(&activity.id, build.epoch)
                 .await?;
+            self.return_late_lapses(activity, &build).await?;
         }
         Ok(if built {
             Rebuild::Built(build)
         } else {
             Rebuild::AlreadyLoaded
         })
+    }
+
+    /// Returns to the state just written the units of orders cancelled after the
+    /// build's snapshot (a payment that lapsed meanwhile). The sweeper cancelled
+    /// such an order after the snapshot was read, so its unit is not in the
+    /// build's stock; and it may have returned the unit before the build was
+    /// written (into the state the build replaced, or to a Redis that had lost
+    /// the activity), where the build wiped it. Read only now, after the write:
+    /// a lapse cancelled later still is refunded by the sweeper into this state.
+    /// Each refund is once per reservation in this state, so this and the
+    /// sweeper's never both count; a newer build that read the lapse holds it
+    /// among its returned units, and this is a no-op there.
+    async fn return_late_lapses(&self, activity: &Activity, build: &Build) -> anyhow::Result<()> {
+        let counted: std::collections::HashSet<&str> =
+            build.returned.iter().map(String::as_str).collect();
+        for order in self.orders.cancelled(&activity.id).await? {
+            if counted.contains(order.reservation_id.as_str()) {
+                continue;
+            }
+            let outcome = self
+                .stock
+                .refund(
+                    &activity.id,
+                    &order.reservation_id,
+                    &order.user_id,
+                    order.quantity,
+                    RefundMode::Return,
+                )
+                .await?;
+            if let RefundOutcome::Returned { units } = outcome {
+                tracing::info!(activity_id = %activity.id, reservation_id = %order.reservation_id, units, "a lapse cancelled during the rebuild returned to the new state");
+                metrics::counter!("flashsale_units_returned_total", "why" => "rebuild")
+                    .increment(u64::from(units));
+            }
+        }
+        Ok(())
     }
 
     async fn decide_expired(&self, activity: &Activity, report: &mut Report) -> anyhow::Result<()> {
@@ -534,17 +602,30 @@ impl Reconciler {
     }
 
     async fn audit(&self, activity: &Activity, report: &mut Report) -> anyhow::Result<()> {
-        let total = i64::from(activity.stock);
+        // Every MySQL figure fresh, and read before Redis (as the stale check
+        // reads the builds): a change MySQL commits after this read is either
+        // already in Redis too, and the second read below sees it and refuses, or
+        // not yet in Redis, which is no drift. The caller's `activity` may come
+        // from an instance's cache, a second old: a top-up's units in its `stock`
+        // would be missing, and the new units in Redis would read as drift and be
+        // "repaired" away.
         let read_mysql = || async {
-            let fresh = self.activities.get(&activity.id).await?;
+            let fresh = self
+                .activities
+                .get(&activity.id)
+                .await?
+                .ok_or(sqlx::Error::RowNotFound)?;
             let live = self.orders.live_units(&activity.id).await?;
-            let mut owed = self.orders.owed_units(&activity.id).await?;
-            // Top-ups not yet in Redis are units Redis is owed, like a refund.
-            owed.extend(self.activities.unapplied_topups(&activity.id).await?);
-            Ok::<_, sqlx::Error>((fresh.map(|a| a.available), live, owed))
+            // Top-ups not yet in Redis among them, like refunds.
+            let owed = self.orders.owed_to_redis(&activity.id).await?;
+            Ok::<_, sqlx::Error>((
+                i64::from(fresh.stock),
+                i64::from(fresh.available),
+                live,
+                owed,
+            ))
         };
-        let (available, live, owed) = read_mysql().await?;
-        let available = i64::from(available.unwrap_or_default());
+        let (total, available, live, owed) = read_mysql().await?;
         report.mysql = MysqlFigures {
             stock: total,
             available,
@@ -580,8 +661,8 @@ impl Reconciler {
                 .push("repair refused: the consumers still have lag".into());
             return Ok(());
         }
-        let (_, live_again, owed_again) = read_mysql().await?;
-        if live_again != live || owed_again != owed {
+        let (total_again, _, live_again, owed_again) = read_mysql().await?;
+        if total_again != total || live_again != live || owed_again != owed {
             report
                 .refused
                 .push("repair refused: MySQL changed during the check; next pass".into());

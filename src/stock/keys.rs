@@ -29,7 +29,8 @@ pub struct Keys {
     pub state: String,
     pub epoch: String,
     pub barrier: String,
-    /// Units this shard lent to siblings: transfer id → "units|to|ms[|done]".
+    /// Units this shard lent to siblings: transfer id → "units|to|ms|epoch[|done]"
+    /// (written before loans carried the epoch: "units|to|ms[|done]").
     pub lent: String,
     /// Units this shard received from siblings: transfer id → units.
     pub received: String,

@@ -1,7 +1,8 @@
 -- Lend units to a sibling shard whose stock ran dry (split activities), as one
 -- atomic step on the lender: the units leave its stock and are recorded as lent.
 --
--- KEYS[1] stock, KEYS[2] lent (hash transfer id -> "units|to|ms"), KEYS[3] epoch,
+-- KEYS[1] stock, KEYS[2] lent (hash transfer id -> "units|to|ms|epoch", the
+-- lender's epoch when lent; "|done" appended once received), KEYS[3] epoch,
 -- KEYS[4] restock (see reserve.lua)
 -- ARGV[1] transfer id, ARGV[2] units wanted, ARGV[3] the borrowing shard, ARGV[4] now (ms)
 --
@@ -27,5 +28,5 @@ if n <= 0 then
   return {0, epoch, tonumber(redis.call("GET", KEYS[4]) or "0")}
 end
 redis.call("DECRBY", KEYS[1], n)
-redis.call("HSET", KEYS[2], ARGV[1], n .. "|" .. ARGV[3] .. "|" .. ARGV[4])
+redis.call("HSET", KEYS[2], ARGV[1], n .. "|" .. ARGV[3] .. "|" .. ARGV[4] .. "|" .. epoch)
 return {n, epoch, 0}

@@ -139,6 +139,43 @@ pub struct PendingReservation {
     pub fate: Fate,
 }
 
+/// Units one stock shard lent a sibling, as the lender recorded them (`lend.lua`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loan {
+    pub lender: u8,
+    pub to: u8,
+    pub transfer: String,
+    pub units: i64,
+    pub lent_at_ms: i64,
+    /// The lender's build when it lent: only that build may receive or close it.
+    pub epoch: String,
+    /// The record as read, so closing it can tell it is still the same loan.
+    record: String,
+}
+
+impl Loan {
+    /// A loan not yet marked done, from its record "units|to|ms|epoch". A record
+    /// written before loans carried their epoch ("units|to|ms") takes the
+    /// lender's epoch read with it.
+    fn parse(lender: u8, transfer: String, record: String, lender_epoch: &str) -> Option<Self> {
+        let fields: Vec<&str> = record.split('|').collect();
+        let (units, to, at, epoch) = match fields.as_slice() {
+            [units, to, at] => (units, to, at, lender_epoch),
+            [units, to, at, epoch] if *epoch != "done" => (units, to, at, *epoch),
+            _ => return None,
+        };
+        Some(Loan {
+            lender,
+            to: to.parse().ok()?,
+            units: units.parse().ok()?,
+            lent_at_ms: at.parse().ok()?,
+            epoch: epoch.to_owned(),
+            transfer,
+            record,
+        })
+    }
+}
+
 /// Which refund: see `refund.lua`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RefundMode {
@@ -438,6 +475,7 @@ pub struct StockStore {
     lower: Lua,
     lend: Lua,
     receive: Lua,
+    loan_done: Lua,
 }
 
 impl StockStore {
@@ -456,6 +494,7 @@ impl StockStore {
             lower: Lua::new(include_str!("lower.lua")),
             lend: Lua::new(include_str!("lend.lua")),
             receive: Lua::new(include_str!("receive.lua")),
+            loan_done: Lua::new(include_str!("loan_done.lua")),
         }
     }
 
@@ -747,10 +786,28 @@ impl StockStore {
         shards: u8,
         older_than_ms: i64,
     ) -> RedisResult<u64> {
-        if shards <= 1 {
-            return Ok(0);
-        }
         let mut received = 0;
+        for loan in self.open_loans(activity_id, shards, older_than_ms).await? {
+            if let Some(now) = self.receive_loan(activity_id, shards, &loan).await? {
+                received += u64::from(now);
+                self.mark_loan_done(activity_id, shards, &loan).await?;
+            }
+        }
+        Ok(received)
+    }
+
+    /// The loans between shards lent more than `older_than_ms` ago and not yet
+    /// marked done, each as its lender recorded it.
+    pub async fn open_loans(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        older_than_ms: i64,
+    ) -> RedisResult<Vec<Loan>> {
+        let mut loans = Vec::new();
+        if shards <= 1 {
+            return Ok(loans);
+        }
         for lender in Keys::all(activity_id, shards) {
             let mut conn = self.conn.clone();
             let (lent, epoch): (HashMap<String, String>, Option<String>) = redis::pipe()
@@ -759,46 +816,65 @@ impl StockStore {
                 .query_async(&mut conn)
                 .await?;
             let epoch = epoch.unwrap_or_default();
-            for (transfer, detail) in lent {
-                let mut fields = detail.split('|');
-                let (Some(units), Some(to), Some(at), None) =
-                    (fields.next(), fields.next(), fields.next(), fields.next())
-                else {
+            for (transfer, record) in lent {
+                let Some(loan) = Loan::parse(lender.shard, transfer, record, &epoch) else {
                     continue; // done, or not ours
                 };
-                let (Ok(to), Ok(at)) = (to.parse::<u8>(), at.parse::<i64>()) else {
-                    continue;
-                };
-                if at > older_than_ms || to >= shards {
-                    continue;
-                }
-                let borrower = Keys::shard(activity_id, shards, to);
-                let n: i64 = self
-                    .run(
-                        &self.receive,
-                        &[
-                            &borrower.stock,
-                            &borrower.received,
-                            &borrower.epoch,
-                            &borrower.restock,
-                        ],
-                        &[arg(&transfer), arg(units), arg(&epoch)],
-                    )
-                    .await?;
-                if n == 1 {
-                    self.gate.open(activity_id);
-                    received += 1;
-                    metrics::counter!("flashsale_stock_shard_transfers_finished_total")
-                        .increment(1);
-                }
-                if n >= 0 {
-                    let _: () = conn
-                        .hset(&lender.lent, &transfer, format!("{detail}|done"))
-                        .await?;
+                if loan.lent_at_ms <= older_than_ms && loan.to < shards {
+                    loans.push(loan);
                 }
             }
         }
-        Ok(received)
+        Ok(loans)
+    }
+
+    /// Receives a loan on its borrower, once and only into the build it was lent
+    /// from (`receive.lua`). `Some(true)` received now, `Some(false)` received
+    /// before; `None` when it never will be (a rebuild wiped it, or the borrower
+    /// is not loaded).
+    pub async fn receive_loan(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        loan: &Loan,
+    ) -> RedisResult<Option<bool>> {
+        let borrower = Keys::shard(activity_id, shards, loan.to);
+        let n: i64 = self
+            .run(
+                &self.receive,
+                &[
+                    &borrower.stock,
+                    &borrower.received,
+                    &borrower.epoch,
+                    &borrower.restock,
+                ],
+                &[arg(&loan.transfer), arg(loan.units), arg(&loan.epoch)],
+            )
+            .await?;
+        if n == 1 {
+            self.gate.open(activity_id);
+            metrics::counter!("flashsale_stock_shard_transfers_finished_total").increment(1);
+        }
+        Ok((n >= 0).then_some(n == 1))
+    }
+
+    /// Marks a received loan done on its lender (`loan_done.lua`): only while the
+    /// lender is still the build that lent it. Returns whether it was marked.
+    pub async fn mark_loan_done(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        loan: &Loan,
+    ) -> RedisResult<bool> {
+        let lender = Keys::shard(activity_id, shards, loan.lender);
+        let n: i64 = self
+            .run(
+                &self.loan_done,
+                &[&lender.lent, &lender.epoch],
+                &[arg(&loan.transfer), arg(&loan.record), arg(&loan.epoch)],
+            )
+            .await?;
+        Ok(n == 1)
     }
 
     /// Returns a reservation's units exactly once (see `refund.lua` for the modes).
@@ -949,34 +1025,54 @@ impl StockStore {
 
     /// MySQL refused the reservation for lack of units: drops it and lowers the
     /// stock to what MySQL still has (`available`), never raising it. Returns the
-    /// units the stock was lowered by (`None`: done before). For a split activity
-    /// the units its other shards hold are read first and left to them.
+    /// units the stock was lowered by (`None`: done before). `owed`: the units
+    /// MySQL counts as available and Redis has yet to get back (reservation or
+    /// top-up id, units; see `OrderRepo::owed_to_redis`), read after `available`;
+    /// they are left room for, so their refunds do not lift Redis above MySQL.
+    /// For a split activity the units its other shards account for are read
+    /// first and left to them.
     pub async fn lower(
         &self,
         activity_id: &str,
         reservation_id: &str,
         user_id: &str,
         available: i64,
+        owed: &[(String, u32)],
     ) -> RedisResult<Option<i64>> {
         let k = Keys::of_reservation(activity_id, reservation_id);
         let (_, shards) = shard_of(reservation_id);
         let mut others = 0;
         for sibling in Keys::all(activity_id, shards) {
             if sibling.shard != k.shard {
-                let part = self.audit_shard(&sibling, 0, &[], None).await?;
-                others += part.stock.max(0) + part.pending_units;
+                let part = self
+                    .audit_shard(&sibling, 0, &owed_on(owed, sibling.shard), None)
+                    .await?;
+                others += part.stock.max(0) + part.holds() - part.stock;
             }
+        }
+        let mut args = vec![
+            arg(reservation_id),
+            arg(user_id),
+            arg(available),
+            arg(others),
+        ];
+        for (id, units) in owed_on(owed, k.shard) {
+            args.push(arg(id));
+            args.push(arg(units));
         }
         let n: i64 = self
             .run(
                 &self.lower,
-                &[&k.stock, &k.buyers, &k.pending, &k.res, &k.refunded],
                 &[
-                    arg(reservation_id),
-                    arg(user_id),
-                    arg(available),
-                    arg(others),
+                    &k.stock,
+                    &k.buyers,
+                    &k.pending,
+                    &k.res,
+                    &k.refunded,
+                    &k.lent,
+                    &k.received,
                 ],
+                &args,
             )
             .await?;
         Ok((n >= 0).then_some(n))
@@ -1396,5 +1492,20 @@ mod tests {
         assert_eq!(parse_detail("dave|x|p"), None);
         assert_eq!(parse_detail("erin|1|z"), None);
         assert_eq!(parse_detail("nobody"), None);
+    }
+
+    #[test]
+    fn loan_records() {
+        let loan = |r: &str| Loan::parse(0, "t>0".into(), r.into(), "7");
+        let l = loan("2|1|1000|5").expect("a loan");
+        assert_eq!(
+            (l.units, l.to, l.lent_at_ms, l.epoch.as_str()),
+            (2, 1, 1000, "5")
+        );
+        // Recorded before loans carried their epoch: the lender's.
+        assert_eq!(loan("2|1|1000").expect("a loan").epoch, "7");
+        assert_eq!(loan("2|1|1000|done"), None);
+        assert_eq!(loan("2|1|1000|5|done"), None);
+        assert_eq!(loan("x|1|1000|5"), None);
     }
 }

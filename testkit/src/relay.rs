@@ -1,6 +1,7 @@
 //! A TCP relay on loopback between a service and one of its dependencies. A test
 //! cuts it (an outage that refuses new connections and drops open ones) or points
-//! it at another server (a failover behind one address, as a virtual IP does).
+//! it at another server (a failover behind one address, as a virtual IP does), or
+//! holds what the service sends for a while (a request stalled on its way).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,6 +13,7 @@ pub struct Relay {
     cut: Arc<tokio::sync::Notify>,
     upstream: Arc<Mutex<String>>,
     stop: Arc<tokio::sync::Notify>,
+    held: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Relay {
@@ -27,12 +29,14 @@ impl Relay {
         let cut = Arc::new(tokio::sync::Notify::new());
         let stop = Arc::new(tokio::sync::Notify::new());
         let upstream = Arc::new(Mutex::new(upstream.to_owned()));
-        let (up2, refused2, cut2, upstream2, stop2) = (
+        let held = Arc::new(tokio::sync::watch::Sender::new(false));
+        let (up2, refused2, cut2, upstream2, stop2, held2) = (
             up.clone(),
             refused.clone(),
             cut.clone(),
             upstream.clone(),
             stop.clone(),
+            held.clone(),
         );
         let accept = async move {
             let listener =
@@ -51,12 +55,33 @@ impl Relay {
                     .map(|t| t.clone())
                     .unwrap_or_else(|p| p.into_inner().clone());
                 let cut = cut2.clone();
+                let mut held = held2.subscribe();
                 tokio::spawn(async move {
-                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
                         return;
                     };
+                    let (mut from_service, mut to_service) = inbound.split();
+                    let (mut from_upstream, mut to_upstream) = outbound.into_split();
+                    // What the service sends waits here while the relay is held.
+                    let requests = async {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        loop {
+                            let n = match from_service.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            if held.wait_for(|h| !*h).await.is_err()
+                                || to_upstream.write_all(&buf[..n]).await.is_err()
+                            {
+                                break;
+                            }
+                        }
+                        let _ = to_upstream.shutdown().await;
+                    };
+                    let answers = tokio::io::copy(&mut from_upstream, &mut to_service);
                     tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = async { tokio::join!(requests, answers) } => {}
                         _ = cut.notified() => {}
                     }
                 });
@@ -81,7 +106,18 @@ impl Relay {
             cut,
             upstream,
             stop,
+            held,
         }
+    }
+
+    /// Holds what the service sends from now on (its requests wait in the relay,
+    /// connections stay open) until `release`.
+    pub fn hold(&self) {
+        self.held.send_replace(true);
+    }
+
+    pub fn release(&self) {
+        self.held.send_replace(false);
     }
 
     /// Refuses new connections and drops the open ones.

@@ -4,7 +4,16 @@ use chrono::Utc;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
-use crate::helpers::{assert_error, spawn_app, unique};
+use std::time::{Duration, Instant};
+
+use testkit::invariants::Answer;
+
+use crate::helpers::{
+    assert_error, eventually, order_counts, spawn_app, spawn_app_with, unique, with_workers, Relay,
+    TestApp,
+};
+
+const WAIT: Duration = Duration::from_secs(60);
 
 #[tokio::test]
 async fn create_returns_the_stored_activity_and_refuses_overlaps() {
@@ -308,4 +317,194 @@ async fn activities_are_listed_newest_first_with_live_figures() {
     assert_eq!(entry["live"]["redis_stock"], 4, "{entry}");
     assert_eq!(entry["live"]["reservations_pending"], 0, "{entry}");
     assert!(entry["orders_by_status"].is_object(), "{entry}");
+}
+
+/// An app whose Redis is reached through `relay` (which a test can hold).
+async fn app_behind(
+    relay: &Relay,
+    customise: impl FnOnce(&mut flashsale::config::Settings),
+) -> TestApp {
+    let url = format!("redis://127.0.0.1:{}", relay.port);
+    spawn_app_with(|s| {
+        with_workers(s);
+        s.redis.url = url;
+        // Requests held in the relay for a while are late, not failed.
+        s.redis.response_timeout_ms = 5_000;
+        customise(s);
+    })
+    .await
+}
+
+/// Redis loses the sale while a reservation's message still waits in the
+/// producer, and an operator preloads at once. The build must wait that publish
+/// out, as the automatic rebuild does: built before its order reaches MySQL, it
+/// counts the unit as for sale, and the unit is promised twice (the order the
+/// message makes, and a new buyer's `202`, which MySQL then refuses).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_preload_waits_out_the_publishes_in_flight() {
+    let relay = Relay::start("127.0.0.1:6379").await;
+    let app = app_behind(&relay, |s| {
+        // Every message waits 1.5 s in the producer before it is sent.
+        s.kafka.linger_ms = 1_500;
+        s.kafka.publish_timeout_ms = 2_500;
+    })
+    .await;
+    let sale = app.open_sale(2, 1).await;
+    let reserve = |user: String| {
+        let request = app
+            .client
+            .post(app.url(&format!("/flash/{}/reserve", sale.sku)))
+            .bearer_auth(app.token(&user));
+        async move { Answer::from_response(request.send().await).await }
+    };
+    let started = Instant::now();
+    let in_flight = tokio::spawn(reserve("in-flight".into()));
+    eventually(WAIT, "the reservation in Redis", || async {
+        let s = app.state.stock.snapshot(&sale.id, 1).await.ok()?;
+        (s.pending == 1).then_some(())
+    })
+    .await;
+    let k = flashsale::stock::Keys::new(&sale.id);
+    let mut conn = app.state.stock.connection();
+    let _: () = redis::pipe()
+        .del(&[&k.stock, &k.state, &k.buyers, &k.pending, &k.res])
+        .query_async(&mut conn)
+        .await
+        .expect("Redis loses the sale");
+    // While its message is acknowledged (1.5 s after it was sent to the
+    // producer), the service's Redis requests wait: the consumer writes the
+    // order before the request can ask MySQL for a withdrawal.
+    let hold = async {
+        tokio::time::sleep_until((started + Duration::from_millis(1_000)).into()).await;
+        relay.hold();
+        tokio::time::sleep_until((started + Duration::from_millis(2_200)).into()).await;
+        relay.release();
+    };
+    let preload = async {
+        eventually(WAIT, "the preload", || async {
+            let resp = app
+                .admin_post(&format!("/admin/activities/{}/preload", sale.id), None)
+                .await;
+            // 503 while the consumers drain the queue.
+            (resp.status() == StatusCode::OK).then_some(())
+        })
+        .await;
+        // Two new buyers as soon as it is built.
+        let a = tokio::spawn(reserve("next-1".into()));
+        let b = tokio::spawn(reserve("next-2".into()));
+        vec![a.await.expect("answer"), b.await.expect("answer")]
+    };
+    let ((), mut answers) = tokio::join!(hold, preload);
+    answers.push(in_flight.await.expect("answer"));
+    let probe = app.probe(&sale);
+    probe.wait_quiet(WAIT).await.expect("quiet");
+    let figures = probe.check(&answers).await.expect("invariants hold");
+    assert_eq!(figures.accepted, 2, "{figures:?}");
+    assert_eq!(figures.failed, 0, "{figures:?}");
+}
+
+/// A payment lapses while an operator's preload is between its MySQL snapshot
+/// and its Redis write, and the sweeper returns the unit at once, into the state
+/// the preload is about to replace. The unit must be on sale once the preload is
+/// done: in MySQL's count and in Redis, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lapse_during_a_preload_is_on_sale_after_it() {
+    let relay = Relay::start("127.0.0.1:6379").await;
+    let app = app_behind(&relay, |_| {}).await;
+    let sale = app.open_sale(3, 1).await;
+    let resp = app.reserve(&sale.sku, "lapser", None).await;
+    let answers = vec![Answer::from_response(Ok(resp)).await];
+    assert_eq!(answers[0].status, Some(202));
+    eventually(WAIT, "the order, confirmed", || async {
+        let s = app.state.stock.snapshot(&sale.id, 1).await.ok()?;
+        let ordered = order_counts(&app, &sale.id).await.get("pending_payment") == Some(&1);
+        (ordered && s.pending == 0).then_some(())
+    })
+    .await;
+    // Its payment deadline passes; no sweeper has run yet.
+    sqlx::query("UPDATE orders SET expires_at = NOW(3) - INTERVAL 1 SECOND WHERE activity_id = ?")
+        .bind(&sale.id)
+        .execute(&app.state.pool)
+        .await
+        .expect("the deadline passes");
+    let resp = app
+        .admin_post(&format!("/admin/activities/{}/pause", sale.id), None)
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    // The sweeper runs on an instance that reaches Redis directly.
+    let db = app.settings.mysql.url.clone();
+    let kafka = app.settings.kafka.clone();
+    let other = spawn_app_with(|s| {
+        s.mysql.url = db;
+        s.kafka = kafka;
+    })
+    .await;
+    let sweeper = flashsale::orders::Sweeper {
+        repo: other.state.orders.clone(),
+        stock: other.state.stock.clone(),
+    };
+    let epoch = || async {
+        let (epoch,): (u32,) = sqlx::query_as("SELECT redis_epoch FROM activities WHERE id = ?")
+            .bind(&sale.id)
+            .fetch_one(&app.state.pool)
+            .await
+            .expect("epoch");
+        epoch
+    };
+    let before = epoch().await;
+
+    // The preload's snapshot waits behind this lock until the relay holds the
+    // preload's Redis write.
+    let mut lock = app.state.pool.begin().await.expect("a transaction");
+    sqlx::query("SELECT id FROM activities WHERE id = ? FOR UPDATE")
+        .bind(&sale.id)
+        .execute(&mut *lock)
+        .await
+        .expect("the activity's lock");
+    let preload = tokio::spawn({
+        let request = app
+            .client
+            .post(app.url(&format!("/admin/activities/{}/preload", sale.id)))
+            .bearer_auth(app.admin_token());
+        async move { request.send().await.expect("an answer") }
+    });
+    eventually(WAIT, "the preload waiting for its snapshot", || async {
+        let (n,): (i64,) = sqlx::query_as(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE() \
+             AND ID <> CONNECTION_ID() AND INFO LIKE '%redis_epoch FROM activities WHERE id%FOR UPDATE%'",
+        )
+        .fetch_one(&app.state.pool)
+        .await
+        .ok()?;
+        (n > 0).then_some(())
+    })
+    .await;
+    relay.hold();
+    lock.commit().await.expect("commit");
+    eventually(WAIT, "the snapshot taken", || async {
+        (epoch().await > before).then_some(())
+    })
+    .await;
+    let swept = sweeper.sweep_once().await.expect("sweep");
+    assert_eq!((swept.cancelled, swept.returned), (1, 1), "{swept:?}");
+    relay.release();
+    let resp = preload.await.expect("preload");
+    assert_eq!(resp.status(), StatusCode::OK);
+
+    assert_eq!(
+        app.redis_stock(&sale).await,
+        Some(3),
+        "the lapse's unit is back, once"
+    );
+    let again = sweeper.sweep_once().await.expect("sweep");
+    assert_eq!((again.cancelled, again.returned), (0, 0), "{again:?}");
+    let resp = app
+        .admin_post(&format!("/admin/activities/{}/resume", sale.id), None)
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let probe = app.probe(&sale);
+    probe.wait_quiet(WAIT).await.expect("quiet");
+    let figures = probe.check(&answers).await.expect("invariants hold");
+    assert_eq!(figures.cancelled, 1, "{figures:?}");
+    other.stop().await;
 }

@@ -333,3 +333,83 @@ async fn an_older_build_in_redis_is_detected_and_rebuilt() {
     assert_eq!(again["stale"], false, "{again}");
     app.stop().await;
 }
+
+/// Redis lost acknowledged writes and holds more stock than MySQL (an incident),
+/// while a lapsed order's unit is back in MySQL's count but not yet in Redis.
+/// When MySQL refuses a reservation for want of units, Redis is lowered to what
+/// MySQL still has minus what Redis is still owed: the lapse's refund, when it
+/// comes, then brings Redis level with MySQL, not above it.
+#[tokio::test]
+async fn a_lowered_stock_leaves_room_for_the_units_still_owed_to_redis() {
+    let app = spawn_app_with(workers).await;
+    let sale = app
+        .open_sale_spec(&testkit::sale::SaleSpec {
+            per_user_limit: 2,
+            ..testkit::sale::SaleSpec::new(4)
+        })
+        .await;
+    let buy = |user: &'static str, quantity: u32| {
+        let app = &app;
+        let sku = sale.sku.clone();
+        async move {
+            let resp = app
+                .reserve(
+                    &sku,
+                    user,
+                    Some(serde_json::json!({ "quantity": quantity })),
+                )
+                .await;
+            assert_eq!(resp.status(), StatusCode::ACCEPTED, "{user}");
+        }
+    };
+    buy("lapser", 1).await;
+    eventually(WAIT, "the lapser's order", || async {
+        (order_counts(&app, &sale.id).await.get("pending_payment") == Some(&1)).then_some(())
+    })
+    .await;
+    // Its payment lapses: cancelled in MySQL (the unit is back in MySQL's count),
+    // not yet refunded to Redis (the sweeper's Redis step comes later).
+    sqlx::query("UPDATE orders SET expires_at = NOW(3) - INTERVAL 1 SECOND WHERE activity_id = ?")
+        .bind(&sale.id)
+        .execute(&app.state.pool)
+        .await
+        .expect("expire the order");
+    let cancelled = app.state.orders.cancel_expired(10).await.expect("cancel");
+    assert_eq!(cancelled.len(), 1);
+    assert_eq!(db_available(&app, &sale.id).await, 4);
+    assert_eq!(app.redis_stock(&sale).await, Some(3));
+    // The incident: Redis holds 4 units more than it should.
+    let k = flashsale::stock::Keys::shard(&sale.id, 1, 0);
+    let mut conn = app.state.stock.connection();
+    let _: i64 = redis::AsyncCommands::incr(&mut conn, &k.stock, 4)
+        .await
+        .expect("incr");
+    buy("first", 2).await;
+    buy("second", 1).await;
+    eventually(WAIT, "two more orders", || async {
+        (order_counts(&app, &sale.id).await.get("pending_payment") == Some(&2)).then_some(())
+    })
+    .await;
+    // MySQL has 1 unit left; Redis hands out 2 more to one user: refused.
+    buy("refused", 2).await;
+    eventually(WAIT, "the refusal", || async {
+        let failed = order_counts(&app, &sale.id).await.get("failed") == Some(&1);
+        let s = app.state.stock.snapshot(&sale.id, 1).await.ok()?;
+        (failed && s.pending == 0).then_some(())
+    })
+    .await;
+    assert_eq!(db_available(&app, &sale.id).await, 1);
+    // The lapse's refund, as the sweeper makes it.
+    let sweeper = flashsale::orders::Sweeper {
+        repo: app.state.orders.clone(),
+        stock: app.state.stock.clone(),
+    };
+    let swept = sweeper.sweep_once().await.expect("sweep");
+    assert_eq!(swept.returned, 1, "{swept:?}");
+    assert_eq!(
+        app.redis_stock(&sale).await,
+        Some(1),
+        "Redis holds what MySQL has, not more"
+    );
+    app.stop().await;
+}

@@ -247,6 +247,86 @@ async fn the_reconciler_finishes_a_transfer_left_half_done() {
     );
 }
 
+/// A loan received on its borrower, then the whole sale rebuilt before the loan
+/// is marked done on its lender (an instance that stalled between the two
+/// steps): closing it afterwards must not write the loan back into the lender's
+/// new build, where nobody would ever receive it and its unit would be counted
+/// in transit for good (and then repaired out of the stock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loan_closed_after_a_rebuild_is_not_written_back() {
+    let app = spawn_app_with(with_workers).await;
+    let sale = app.open_sale_spec(&spec(3, 1, 3)).await;
+    // Two users of one home shard: the second borrows from a sibling.
+    let mut users = (0..).map(|i| format!("neighbour-{i}"));
+    let first = users.next().expect("a user");
+    let home = home_shard(&first, 3);
+    let second = users
+        .find(|u| home_shard(u, 3) == home)
+        .expect("a neighbour");
+    for user in [&first, &second] {
+        assert_eq!(
+            app.reserve(&sale.sku, user, None).await.status(),
+            StatusCode::ACCEPTED
+        );
+    }
+    let loans = app
+        .state
+        .stock
+        .open_loans(&sale.id, 3, chrono::Utc::now().timestamp_millis() + 1_000)
+        .await
+        .expect("loans");
+    assert_eq!(loans.len(), 1, "{loans:?}");
+    let loan = &loans[0];
+    assert_eq!(loan.to, home);
+    assert_eq!(
+        app.state
+            .stock
+            .receive_loan(&sale.id, 3, loan)
+            .await
+            .expect("receive"),
+        Some(false),
+        "the borrower received it with the reservation"
+    );
+    eventually(WAIT, "two orders", || async {
+        (order_counts(&app, &sale.id).await.get("pending_payment") == Some(&2)).then_some(())
+    })
+    .await;
+    eventually(WAIT, "nothing pending", || async {
+        let s = app.state.stock.snapshot(&sale.id, 3).await.ok()?;
+        (s.pending == 0).then_some(())
+    })
+    .await;
+    for step in ["pause", "preload", "resume"] {
+        let resp = app
+            .admin_post(&format!("/admin/activities/{}/{step}", sale.id), None)
+            .await;
+        assert_eq!(resp.status(), StatusCode::OK, "{step}");
+    }
+    let marked = app
+        .state
+        .stock
+        .mark_loan_done(&sale.id, 3, loan)
+        .await
+        .expect("mark");
+    assert!(!marked, "a loan of the old build is left alone");
+    let lender = Keys::shard(&sale.id, 3, loan.lender);
+    let mut conn = app.state.stock.connection();
+    let records: std::collections::HashMap<String, String> =
+        conn.hgetall(&lender.lent).await.expect("read");
+    assert!(records.is_empty(), "nothing written back: {records:?}");
+    let audit = app
+        .state
+        .stock
+        .audit(&sale.id, 3, 3, 2, &[])
+        .await
+        .expect("audit");
+    assert_eq!(audit.in_transit, 0, "{audit:?}");
+    assert_eq!(audit.stock - audit.expected, 0, "no drift: {audit:?}");
+    let report = app.reconcile(&sale.id).await;
+    assert_eq!(report["drift"], 0, "{report}");
+    assert_eq!(app.redis_stock(&sale).await, Some(1), "3 units, 2 ordered");
+}
+
 /// Pausing reaches every shard; a preload deals the units left over the shards
 /// again and puts each buyer back on their home shard.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -179,3 +179,60 @@ async fn the_reconciler_finishes_a_top_up_and_a_rebuild_counts_it_once() {
     assert_eq!(again, flashsale::stock::RefundOutcome::AlreadyRefunded);
     assert_eq!(app.redis_stock(&sale).await, Some(12));
 }
+
+/// Two instances: a top-up through one, while the other's reconciler still has
+/// the activity's old stock in its activity cache. Its audit must take MySQL's
+/// figures fresh, and so find no drift: the new units stay in Redis.
+#[tokio::test]
+async fn another_instance_s_reconciler_keeps_a_fresh_top_up() {
+    let a = spawn_app().await;
+    let sale = a.open_sale(5, 1).await;
+    let db = a.settings.mysql.url.clone();
+    let kafka = a.settings.kafka.clone();
+    // Its cache is loaded at start (with the sale) and not refreshed again within
+    // the test, the widest form of the window every instance has.
+    let b = spawn_app_with(|s| {
+        s.mysql.url = db;
+        s.kafka = kafka;
+        s.reconcile.enabled = true;
+        s.reconcile.interval_secs = 1;
+        s.activities.refresh_interval_ms = 600_000;
+    })
+    .await;
+    let last_pass = || async {
+        let body: Value = b
+            .admin_get(&format!("/admin/activities/{}", sale.id))
+            .await
+            .json()
+            .await
+            .ok()?;
+        let last = &body["live"]["reconciler"];
+        let at: chrono::DateTime<chrono::Utc> =
+            serde_json::from_value(last["checked_at"].clone()).ok()?;
+        Some((at, last.clone()))
+    };
+    // B's background work has begun (its cache took its copy at start).
+    eventually(WAIT, "a first pass on B", last_pass).await;
+    let resp = a
+        .admin_post(
+            &format!("/admin/activities/{}/stock", sale.id),
+            Some(json!({"add": 3})),
+        )
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(a.redis_stock(&sale).await, Some(8));
+    let mut since = chrono::Utc::now();
+    // Two of B's background passes that began after the top-up.
+    for pass in 0..2 {
+        let (at, last) = eventually(WAIT, "a reconciler pass on B", || async {
+            last_pass().await.filter(|(at, _)| *at > since)
+        })
+        .await;
+        assert_eq!(last["drift"], 0, "pass {pass}: {last}");
+        assert_eq!(last["repaired"], false, "pass {pass}: {last}");
+        assert_eq!(a.redis_stock(&sale).await, Some(8), "pass {pass}");
+        since = at;
+    }
+    b.stop().await;
+    a.stop().await;
+}
