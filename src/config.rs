@@ -66,6 +66,10 @@ pub struct ServerSettings {
     /// an environment variable, a comma-separated list).
     #[serde(default)]
     pub trusted_proxies: crate::http::TrustedProxies,
+    /// A second listener serving only `/metrics`, `/healthz` and `/readyz`
+    /// (the main listener serves them too); none when absent.
+    #[serde(default)]
+    pub ops_addr: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -252,6 +256,14 @@ impl Settings {
         }
         if self.kafka.idempotence && self.kafka.max_in_flight > 5 {
             bail!("kafka.max_in_flight must be at most 5 with kafka.idempotence");
+        }
+        if self
+            .server
+            .ops_addr
+            .as_deref()
+            .is_some_and(|a| a.trim().is_empty())
+        {
+            bail!("server.ops_addr must be a host:port, or absent");
         }
         if self.server.max_concurrency == 0 || self.server.request_timeout_ms == 0 {
             bail!("server.max_concurrency and server.request_timeout_ms must be positive");
