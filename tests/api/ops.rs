@@ -564,3 +564,35 @@ async fn the_first_scrape_has_every_metric_the_alerts_use() {
     promtool_accepts(&text);
     drop(service);
 }
+
+/// The published development secrets are refused off loopback, whatever
+/// `FLASHSALE_ENV` says (the kit runs the binary with `test`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_development_secrets_are_refused_on_a_public_address() {
+    let app = crate::helpers::spawn_app().await;
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let mut env = app.binary_env();
+    env.set(
+        "FLASHSALE__SERVER__ADDR",
+        format!("0.0.0.0:{}", testkit::process::free_port()),
+    );
+    let mut serve =
+        testkit::process::flashsale(&["serve"], &env, dir.path().join("serve.log"), "serve");
+    let exited = crate::helpers::eventually(
+        std::time::Duration::from_secs(20),
+        "serve to refuse to start",
+        || {
+            let exited = serve.try_wait();
+            async move { exited }
+        },
+    )
+    .await;
+    let log = serve.log_tail(20);
+    assert!(!exited, "exited with success:\n{log}");
+    assert!(
+        log.contains("refusing to start")
+            && log.contains("auth.admin_token")
+            && log.contains("loopback"),
+        "{log}"
+    );
+}
