@@ -53,6 +53,10 @@ RUN useradd --system --user-group --uid 10001 --home-dir /app --no-create-home f
 COPY --from=builder /src/target/release/flashsale /usr/local/bin/flashsale
 # Defaults; override any key with FLASHSALE__SECTION__KEY environment variables.
 COPY config/ /app/config/
+# An image is a deployment: config/production.toml applies, and `serve` refuses
+# the published development secrets. Pass FLASHSALE__AUTH__ADMIN_TOKEN and
+# FLASHSALE__AUTH__USER_TOKEN_SECRET (at least 16 characters each).
+ENV FLASHSALE_ENV=production
 WORKDIR /app
 USER flashsale
 

@@ -66,6 +66,10 @@ pub struct ServerSettings {
     /// an environment variable, a comma-separated list).
     #[serde(default)]
     pub trusted_proxies: crate::http::TrustedProxies,
+    /// A second listener serving only `/metrics`, `/healthz` and `/readyz`
+    /// (the main listener serves them too); none when absent.
+    #[serde(default)]
+    pub ops_addr: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -253,6 +257,14 @@ impl Settings {
         if self.kafka.idempotence && self.kafka.max_in_flight > 5 {
             bail!("kafka.max_in_flight must be at most 5 with kafka.idempotence");
         }
+        if self
+            .server
+            .ops_addr
+            .as_deref()
+            .is_some_and(|a| a.trim().is_empty())
+        {
+            bail!("server.ops_addr must be a host:port, or absent");
+        }
         if self.server.max_concurrency == 0 || self.server.request_timeout_ms == 0 {
             bail!("server.max_concurrency and server.request_timeout_ms must be positive");
         }
@@ -284,18 +296,64 @@ impl Settings {
         Ok(())
     }
 
-    /// Refuses the development secrets in production. Called by `serve`.
-    pub fn check_production_secrets(&self, env: &str) -> anyhow::Result<()> {
-        if env != "production" {
+    /// Refuses the published development secrets (`config/default.toml`'s, so
+    /// anyone can sign a user token or act as admin with them) in production and
+    /// whenever `server.addr` is not a loopback address, whatever the environment
+    /// is called: a deployment that forgets `FLASHSALE_ENV` is still refused.
+    /// `server.ops_addr` does not matter here: it serves no authenticated
+    /// endpoint, so the secrets cannot be used through it. Called by `serve`.
+    pub fn check_published_secrets(&self, env: &str) -> anyhow::Result<()> {
+        let published: Vec<&str> = [
+            (
+                self.auth.admin_token.expose_secret() == DEV_ADMIN_TOKEN,
+                "auth.admin_token (FLASHSALE__AUTH__ADMIN_TOKEN)",
+            ),
+            (
+                self.auth.user_token_secret.expose_secret() == DEV_USER_TOKEN_SECRET,
+                "auth.user_token_secret (FLASHSALE__AUTH__USER_TOKEN_SECRET)",
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(is_published, key)| is_published.then_some(key))
+        .collect();
+        if published.is_empty() {
             return Ok(());
         }
-        if self.auth.admin_token.expose_secret() == DEV_ADMIN_TOKEN {
-            bail!("refusing to start: auth.admin_token is the development value in production; set FLASHSALE__AUTH__ADMIN_TOKEN");
+        let keys = published.join(" and ");
+        if env == "production" {
+            bail!("refusing to start: {keys} still has the published development value in production; set a secret of your own");
         }
-        if self.auth.user_token_secret.expose_secret() == DEV_USER_TOKEN_SECRET {
-            bail!("refusing to start: auth.user_token_secret is the development value in production; set FLASHSALE__AUTH__USER_TOKEN_SECRET");
+        if !is_loopback(&self.server.addr) {
+            bail!(
+                "refusing to start: {keys} still has the published development value and server.addr {} is not a loopback address; set a secret of your own, or listen on 127.0.0.1 for development",
+                self.server.addr
+            );
         }
         Ok(())
+    }
+}
+
+/// Whether a listen address (`host:port`, or a bare host) can only be reached
+/// from this machine: a loopback IP (`127.0.0.0/8`, `::1`, and `::ffff:127.…`),
+/// or the name `localhost`. Any other name counts as reachable from outside: what
+/// it resolves to is not this check's to trust.
+pub fn is_loopback(addr: &str) -> bool {
+    use std::net::{IpAddr, SocketAddr};
+    let addr = addr.trim();
+    if let Ok(socket) = addr.parse::<SocketAddr>() {
+        return socket.ip().to_canonical().is_loopback();
+    }
+    if let Ok(ip) = addr.parse::<IpAddr>() {
+        return ip.to_canonical().is_loopback();
+    }
+    let host = match addr.rsplit_once(':') {
+        Some((host, port)) if port.parse::<u16>().is_ok() => host,
+        _ => addr,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    match host.parse::<IpAddr>() {
+        Ok(ip) => ip.to_canonical().is_loopback(),
+        Err(_) => host.eq_ignore_ascii_case("localhost"),
     }
 }
 
@@ -345,19 +403,96 @@ mod tests {
     #[test]
     fn production_refuses_development_secrets() {
         let s = Settings::load_from(&config_dir(), "development").expect("default config loads");
-        assert!(s.check_production_secrets("development").is_ok());
+        assert!(s.check_published_secrets("development").is_ok());
         let err = s
-            .check_production_secrets("production")
+            .check_published_secrets("production")
             .expect_err("dev secrets refused");
         assert!(err.to_string().contains("admin_token"));
         let mut s = s;
         s.auth.admin_token = SecretString::from("a-real-production-admin-token");
         let err = s
-            .check_production_secrets("production")
+            .check_published_secrets("production")
             .expect_err("dev user secret refused");
         assert!(err.to_string().contains("user_token_secret"));
+        assert!(!err.to_string().contains("admin_token"));
         s.auth.user_token_secret = SecretString::from("a-real-production-user-secret");
-        assert!(s.check_production_secrets("production").is_ok());
+        assert!(s.check_published_secrets("production").is_ok());
+    }
+
+    #[test]
+    fn development_secrets_are_refused_off_loopback_in_any_environment() {
+        let dev = Settings::load_from(&config_dir(), "development").expect("default config loads");
+        for (addr, allowed) in [
+            ("0.0.0.0:8080", false),
+            ("[::]:8080", false),
+            ("192.168.1.20:8080", false),
+            ("10.0.0.7:8080", false),
+            ("flashsale.internal:8080", false),
+            ("127.0.0.1:8080", true),
+            ("127.0.0.1:0", true),
+            ("[::1]:8080", true),
+            ("[::ffff:127.0.0.1]:8080", true),
+            ("localhost:8080", true),
+            ("LOCALHOST:8080", true),
+        ] {
+            let mut s = dev.clone();
+            s.server.addr = addr.to_owned();
+            for env in ["development", "test", "staging"] {
+                let checked = s.check_published_secrets(env);
+                assert_eq!(checked.is_ok(), allowed, "{addr} in {env}: {checked:?}");
+                if let Err(err) = checked {
+                    let text = err.to_string();
+                    assert!(text.contains("loopback") && text.contains(addr), "{text}");
+                }
+            }
+            // Production refuses them on loopback too.
+            assert!(s.check_published_secrets("production").is_err(), "{addr}");
+            // Secrets of one's own are fine anywhere.
+            s.auth.admin_token = SecretString::from("an-operator-chosen-admin-token");
+            s.auth.user_token_secret = SecretString::from("an-operator-chosen-user-secret");
+            assert!(s.check_published_secrets("development").is_ok(), "{addr}");
+            assert!(s.check_published_secrets("production").is_ok(), "{addr}");
+        }
+        // One published secret is enough to refuse.
+        let mut s = dev.clone();
+        s.server.addr = "0.0.0.0:8080".into();
+        s.auth.admin_token = SecretString::from("an-operator-chosen-admin-token");
+        let err = s
+            .check_published_secrets("development")
+            .expect_err("refused");
+        assert!(err.to_string().contains("user_token_secret"), "{err}");
+        // The operations listener serves no authenticated endpoint: it does not
+        // open the way for the published secrets, nor does it close it.
+        let mut s = dev.clone();
+        s.server.ops_addr = Some("0.0.0.0:9090".into());
+        assert!(s.check_published_secrets("development").is_ok());
+    }
+
+    #[test]
+    fn loopback_addresses() {
+        for yes in [
+            "127.0.0.1:1",
+            "127.1.2.3:80",
+            "[::1]:1",
+            "::1",
+            "127.0.0.1",
+            "localhost",
+            "localhost:9",
+        ] {
+            assert!(is_loopback(yes), "{yes}");
+        }
+        for no in [
+            "0.0.0.0:1",
+            "[::]:1",
+            "::",
+            "0.0.0.0",
+            "192.168.0.1:80",
+            "[fe80::1]:80",
+            "example.com:80",
+            "",
+        ] {
+            assert!(!is_loopback(no), "{no}");
+        }
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod http;
 pub mod orders;
 pub mod periodic;
 pub mod queue;
+pub mod readiness;
 pub mod reconcile;
 pub mod startup;
 pub mod state;

@@ -61,7 +61,7 @@ async fn main() -> anyhow::Result<()> {
     telemetry::init_tracing(&settings.log);
     match cli.command {
         Command::Serve => {
-            settings.check_production_secrets(&config::environment())?;
+            settings.check_published_secrets(&config::environment())?;
             let app = Application::build(settings).await?;
             let drain = app.drain_token();
             tokio::spawn(async move {

@@ -21,10 +21,11 @@ use tokio_util::task::TaskTracker;
 use crate::activity::{ActivityCache, ActivityRepo};
 use crate::auth::Auth;
 use crate::config::{MysqlSettings, RedisSettings, Settings};
-use crate::http::{self, RateLimiters};
+use crate::http::{self, LiveFigures, RateLimiters};
 use crate::orders::{OrderConsumer, OrderRepo, OrderWriter, Sweeper};
 use crate::periodic;
 use crate::queue::{self, Publisher};
+use crate::readiness::{self, Readiness};
 use crate::reconcile::{Reconciler, Report};
 use crate::state::{AppState, Inner};
 use crate::stock::{Family, RedisConn, StockStore};
@@ -34,6 +35,9 @@ use crate::waiting_room::WaitingRoom;
 pub struct Application {
     listener: TcpListener,
     port: u16,
+    /// `server.ops_addr`'s listener: health, readiness and metrics only.
+    ops_listener: Option<TcpListener>,
+    ops_port: Option<u16>,
     state: AppState,
     limiters: RateLimiters,
     shutdown: CancellationToken,
@@ -107,6 +111,18 @@ impl Application {
             .await
             .with_context(|| format!("failed to bind {}", settings.server.addr))?;
         let port = listener.local_addr().context("no local address")?.port();
+        let ops_listener = match &settings.server.ops_addr {
+            Some(addr) => Some(
+                TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("failed to bind server.ops_addr {addr}"))?,
+            ),
+            None => None,
+        };
+        let ops_port = match &ops_listener {
+            Some(l) => Some(l.local_addr().context("no local address")?.port()),
+            None => None,
+        };
         let limiters = RateLimiters::new(&settings.rate_limit);
         let waiting_room = WaitingRoom::new(redis.clone(), pool.clone());
         let stock = StockStore::new(redis).with_replica_barrier(
@@ -123,6 +139,7 @@ impl Application {
             pending_deadline: Duration::from_secs(settings.reconcile.pending_deadline_secs),
             last: Arc::default(),
             lost_since: Arc::default(),
+            first_pass: Arc::default(),
         };
         let state = AppState::new(Inner {
             settings,
@@ -139,10 +156,14 @@ impl Application {
             metrics,
             critical: TaskTracker::new(),
             draining: CancellationToken::new(),
+            readiness: Readiness::default(),
+            live_figures: LiveFigures::new(),
         });
         Ok(Application {
             listener,
             port,
+            ops_listener,
+            ops_port,
             state,
             limiters,
             shutdown: CancellationToken::new(),
@@ -151,6 +172,11 @@ impl Application {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The port of `server.ops_addr`'s listener, when it is set.
+    pub fn ops_port(&self) -> Option<u16> {
+        self.ops_port
     }
 
     pub fn state(&self) -> AppState {
@@ -173,6 +199,7 @@ impl Application {
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
         let Application {
             listener,
+            ops_listener,
             state,
             limiters,
             shutdown,
@@ -183,6 +210,13 @@ impl Application {
             Duration::from_millis(state.settings.activities.refresh_interval_ms.max(100)),
             shutdown.clone(),
         ));
+        background.spawn(readiness::run(
+            state.readiness.clone(),
+            state.stock.clone(),
+            state.pool.clone(),
+            state.publisher.clone(),
+            shutdown.clone(),
+        ));
         background.spawn(prune_rate_limiters(limiters.clone(), shutdown.clone()));
         background.spawn(metrics_upkeep(state.clone(), shutdown.clone()));
         background.spawn(state.stock.clone().run_sold_out_gate(shutdown.clone()));
@@ -191,6 +225,22 @@ impl Application {
 
         let app = http::router(state.clone(), &limiters);
         tracing::info!(addr = %listener.local_addr()?, "serving");
+        if let Some(ops_listener) = ops_listener {
+            tracing::info!(addr = %ops_listener.local_addr()?, "serving health, readiness and metrics");
+            let ops = http::ops_router(state.clone());
+            let stop = shutdown.clone();
+            background.spawn(async move {
+                let served = axum::serve(
+                    ops_listener,
+                    ops.into_make_service_with_connect_info::<SocketAddr>(),
+                )
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await;
+                if let Err(err) = served {
+                    tracing::error!(error = %err, "the operations listener failed");
+                }
+            });
+        }
         // Draining: not ready first, then, after the delay, the server stops.
         let drain_delay = Duration::from_secs(state.settings.server.drain_delay_secs);
         background.spawn({
@@ -374,6 +424,7 @@ pub async fn reconcile_once(
         pending_deadline: Duration::from_secs(settings.reconcile.pending_deadline_secs),
         last: Arc::default(),
         lost_since: Arc::default(),
+        first_pass: Arc::default(),
     };
     let mut reports = Vec::new();
     match activity {

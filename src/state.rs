@@ -12,8 +12,10 @@ use tokio_util::task::TaskTracker;
 use crate::activity::{ActivityCache, ActivityRepo};
 use crate::auth::Auth;
 use crate::config::Settings;
+use crate::http::LiveFigures;
 use crate::orders::OrderRepo;
 use crate::queue::Publisher;
+use crate::readiness::Readiness;
 use crate::reconcile::Reconciler;
 use crate::stock::StockStore;
 use crate::waiting_room::WaitingRoom;
@@ -41,6 +43,10 @@ pub struct Inner {
     /// Cancelled when the process was told to stop: `/readyz` answers `503` from
     /// then on, so load balancers stop sending before the server stops.
     pub draining: CancellationToken,
+    /// The dependencies' answers to the background prober, read by `/readyz`.
+    pub readiness: Readiness,
+    /// When `/metrics` last read the activities' figures from Redis.
+    pub live_figures: LiveFigures,
 }
 
 impl AppState {

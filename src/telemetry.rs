@@ -54,8 +54,23 @@ pub fn metrics_handle() -> anyhow::Result<PrometheusHandle> {
         .map_err(|_| anyhow::anyhow!("another metrics recorder is already installed"))?;
     describe_metrics();
     metrics::gauge!("flashsale_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    register_alerted_counters();
     *slot = Some(handle.clone());
     Ok(handle)
+}
+
+/// The counters the alert rules (`deploy/prometheus/alerts.yml`) watch, at 0 from
+/// the start. Prometheus sees an increase only between two samples: a counter
+/// whose series first appears at 1, with its first incident, would never fire
+/// `increase(…) > 0`. The rules' gauges come from their own sources: the
+/// per-activity figures and `redis_up` from the scrape itself, the lag and the
+/// drift from the reconciler's first pass, which a scrape after a start waits for.
+fn register_alerted_counters() {
+    metrics::counter!("flashsale_promises_broken_total").increment(0);
+    metrics::counter!("flashsale_consumer_dead_letters_total").increment(0);
+    for sent in ["no", "unknown"] {
+        metrics::counter!("flashsale_kafka_publish_failures_total", "sent" => sent).increment(0);
+    }
 }
 
 /// A scrape: this process's figures read now, then every metric in the

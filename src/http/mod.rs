@@ -55,7 +55,7 @@ pub(crate) fn redis_down(err: redis::RedisError) -> AppError {
 
 pub use middleware::RateLimiters;
 pub use openapi::ApiDoc;
-pub use ops::healthz;
+pub use ops::{healthz, LiveFigures};
 
 pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
     let settings = &state.settings.server;
@@ -99,16 +99,33 @@ pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
         app = app.layer(per_ip);
     }
 
-    let ops = Router::new()
+    let ops = probes()
         // Operations endpoints stay outside the load shedding and rate limits, so a
-        // saturated instance can still be probed and scraped.
-        .route("/healthz", get(ops::healthz))
+        // saturated instance can still be probed and scraped; `/readyz` and
+        // `/metrics` answer from what the background work last read, so a flood
+        // of them costs the dependencies nothing.
         .route("/admin/ui", get(admin::ui))
         .route("/openapi.json", get(openapi::openapi_json))
-        .route("/docs", get(openapi::docs))
-        .route("/readyz", get(ops::readyz))
-        .route("/metrics", get(ops::metrics));
+        .route("/docs", get(openapi::docs));
     observe(protect(app, settings).merge(ops), settings).with_state(state)
+}
+
+/// What orchestrators and Prometheus call: liveness, readiness, metrics.
+fn probes() -> Router<AppState> {
+    Router::new()
+        .route("/healthz", get(ops::healthz))
+        .route("/readyz", get(ops::readyz))
+        .route("/metrics", get(ops::metrics))
+}
+
+/// The listener of `server.ops_addr`: the probes and nothing else (no API, no
+/// authenticated endpoint), for a port only the orchestrator and Prometheus reach.
+pub fn ops_router(state: AppState) -> Router {
+    let settings = &state.settings.server;
+    let probes = probes()
+        .fallback(|| async { AppError::not_found("no such endpoint") })
+        .method_not_allowed_fallback(|| async { AppError::MethodNotAllowed });
+    observe(probes, settings).with_state(state)
 }
 
 /// Load shedding, a global concurrency limit and a timeout, answering in the API's

@@ -1,6 +1,6 @@
 //! Operations endpoints: liveness, readiness, metrics.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Query, State};
@@ -10,9 +10,39 @@ use axum::Json;
 use serde_json::json;
 
 use crate::error::AppError;
+use crate::readiness::{Dependency, Status, CHECK_TIMEOUT};
 use crate::state::AppState;
 
-const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+/// Each activity's live figures are read from Redis at most once per this, by
+/// one scrape at a time; the scrapes in between show those figures.
+const FIGURES_MAX_AGE: Duration = Duration::from_secs(1);
+/// How long after a start a scrape may wait for the reconciler's first pass (the
+/// consumer lag and each activity's drift). Past it no scrape waits, even if
+/// that pass never finishes.
+const FIRST_PASS_WAIT: Duration = Duration::from_secs(5);
+
+/// When `/metrics` last read the activities' figures from Redis. Scrapes queue
+/// on the lock, so a flood of them makes one read, not one each.
+pub struct LiveFigures {
+    read_at: tokio::sync::Mutex<Option<Instant>>,
+    started: Instant,
+}
+
+impl LiveFigures {
+    /// Figures of an instance starting now.
+    pub fn new() -> Self {
+        LiveFigures {
+            read_at: tokio::sync::Mutex::new(None),
+            started: Instant::now(),
+        }
+    }
+}
+
+impl Default for LiveFigures {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 #[utoipa::path(
     get,
@@ -22,18 +52,6 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 )]
 pub async fn healthz() -> Json<serde_json::Value> {
     Json(json!({ "status": "ok" }))
-}
-
-async fn bounded<F, E>(check: F) -> Result<(), String>
-where
-    F: std::future::Future<Output = Result<(), E>>,
-    E: std::fmt::Display,
-{
-    match tokio::time::timeout(CHECK_TIMEOUT, check).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("timed out".to_owned()),
-    }
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -55,16 +73,19 @@ pub enum Role {
     tag = "operations",
     params(("role" = Option<Role>, Query, description = "`api`: what taking reservations needs (Redis and Kafka); MySQL is then reported, not required")),
     responses(
-        (status = 200, description = "Ready; `checks` names each dependency's state", body = Object),
+        (status = 200, description = "Ready; `checks` names each dependency's state at the last probe (`ok`, `down`, or `unknown`: no answer within the last second)", body = Object),
         (status = 422, description = "invalid_request: an unknown role", body = crate::http::openapi::ErrorBody),
         (status = 503, description = "unavailable: something is down, or the process is draining", body = crate::http::openapi::ErrorBody),
     )
 )]
-/// `200` when Redis, MySQL and the broker all answer; otherwise `503` naming what
-/// is down (the reason text stays in the log). `?role=api` asks for what taking
-/// reservations needs: Redis and the broker; MySQL is reported, not required
-/// (reservations are decided in Redis and wait in the topic while MySQL is down).
-/// While the process drains (SIGTERM) every role is `503`.
+/// `200` when Redis, MySQL and the broker all answered the last probe; otherwise
+/// `503` naming what is down (the reason text stays in the log). The answer comes
+/// from the background prober (`crate::readiness`), which checks each dependency
+/// every 500 ms: a probe costs no dependency any work, and an answer older than a
+/// second, or none yet, counts as not ready (`unknown`). `?role=api` asks for what
+/// taking reservations needs: Redis and the broker; MySQL is reported, not
+/// required (reservations are decided in Redis and wait in the topic while MySQL
+/// is down). While the process drains (SIGTERM) every role is `503`.
 pub async fn readyz(
     State(state): State<AppState>,
     query: Result<Query<ReadyQuery>, QueryRejection>,
@@ -72,40 +93,24 @@ pub async fn readyz(
     let Ok(Query(query)) = query else {
         return AppError::invalid("role must be \"api\" or absent").into_response();
     };
-    let optional: &[&str] = match query.role {
+    let optional: &[Dependency] = match query.role {
         None => &[],
-        Some(Role::Api) => &["mysql"],
+        Some(Role::Api) => &[Dependency::Mysql],
     };
     if state.draining.is_cancelled() {
         return not_ready("draining: the process is stopping".into(), json!({}));
     }
-    let (redis, mysql, kafka) = tokio::join!(
-        bounded(state.stock.ping()),
-        bounded(async {
-            sqlx::query("SELECT 1")
-                .execute(&state.pool)
-                .await
-                .map(|_| ())
-        }),
-        bounded(async { state.publisher.check().await.map_err(|e| format!("{e:#}")) }),
-    );
-    let mut down = Vec::new();
+    let now = Instant::now();
+    let mut missing = Vec::new();
     let mut checks = serde_json::Map::new();
-    for (name, result) in [("redis", redis), ("mysql", mysql), ("kafka", kafka)] {
-        match result {
-            Ok(()) => {
-                checks.insert(name.into(), json!("ok"));
-            }
-            Err(reason) => {
-                tracing::warn!(dependency = name, %reason, "readiness check failed");
-                checks.insert(name.into(), json!("down"));
-                if !optional.contains(&name) {
-                    down.push(name);
-                }
-            }
+    for dependency in Dependency::ALL {
+        let status = state.readiness.status(dependency, now);
+        checks.insert(dependency.name().into(), json!(status.label()));
+        if status != Status::Ok && !optional.contains(&dependency) {
+            missing.push(format!("{} {}", dependency.name(), status.label()));
         }
     }
-    if down.is_empty() {
+    if missing.is_empty() {
         (
             StatusCode::OK,
             Json(json!({ "status": "ready", "checks": checks })),
@@ -113,7 +118,7 @@ pub async fn readyz(
             .into_response()
     } else {
         not_ready(
-            format!("not ready: {} down", down.join(", ")),
+            format!("not ready: {}", missing.join(", ")),
             serde_json::Value::Object(checks),
         )
     }
@@ -141,14 +146,28 @@ fn not_ready(message: String, checks: serde_json::Value) -> Response {
     tag = "operations",
     responses((status = 200, description = "Prometheus text format", content_type = "text/plain"))
 )]
-/// `/metrics`: the process's figures and, read at each scrape, each current
-/// activity's live figures from Redis (bounded: a Redis that does not answer
-/// within the check timeout leaves them as last seen and sets `redis_up` to 0).
+/// `/metrics`: the process's figures and each current activity's live figures
+/// from Redis, read by at most one scrape a second (the others wait for that read
+/// and show its figures), bounded: a Redis that does not answer within the check
+/// timeout leaves them as last seen and sets `redis_up` to 0. In the first
+/// seconds after a start, a scrape waits for the reconciler's first pass, so the
+/// consumer lag and each activity's drift are there from the first scrape.
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let up = tokio::time::timeout(CHECK_TIMEOUT, record_activities(&state))
-        .await
-        .is_ok_and(|r| r.is_ok());
-    metrics::gauge!("flashsale_redis_up").set(if up { 1.0 } else { 0.0 });
+    if state.settings.reconcile.enabled {
+        let until = tokio::time::Instant::from_std(state.live_figures.started + FIRST_PASS_WAIT);
+        // Past `until` this returns at once, with or without the pass.
+        let _ = tokio::time::timeout_at(until, state.reconciler.first_pass.wait()).await;
+    }
+    {
+        let mut read_at = state.live_figures.read_at.lock().await;
+        if read_at.is_none_or(|at| at.elapsed() >= FIGURES_MAX_AGE) {
+            let up = tokio::time::timeout(CHECK_TIMEOUT, record_activities(&state))
+                .await
+                .is_ok_and(|r| r.is_ok());
+            metrics::gauge!("flashsale_redis_up").set(if up { 1.0 } else { 0.0 });
+            *read_at = Some(Instant::now());
+        }
+    }
     crate::telemetry::prometheus_text(&state.metrics)
 }
 

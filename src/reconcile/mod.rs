@@ -125,6 +125,9 @@ pub struct Reconciler {
     pub last: Arc<std::sync::Mutex<std::collections::HashMap<String, Report>>>,
     /// When this instance first found each activity lost from Redis.
     pub lost_since: Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>>,
+    /// Set once `run` has finished its first pass (the consumer lag measured and
+    /// every current activity reconciled): `/metrics` waits for it after a start.
+    pub first_pass: Arc<tokio::sync::SetOnce<()>>,
 }
 
 impl Reconciler {
@@ -210,17 +213,8 @@ impl Reconciler {
             .stock
             .snapshot(&activity.id, activity.stock_shards)
             .await?;
-        report.consumer_lag = match queue::consumer_lag(&self.kafka).await {
-            Ok(lag) => Some(lag),
-            Err(err) => {
-                tracing::warn!(error = %err, "consumer lag unknown");
-                None
-            }
-        };
+        report.consumer_lag = self.measure_lag().await;
         let lag_measured = Instant::now();
-        if let Some(lag) = report.consumer_lag {
-            metrics::gauge!("flashsale_consumer_lag_messages").set(lag as f64);
-        }
         report.loaded = snapshot.loaded();
         if !report.loaded {
             // A split activity with some shards lost: the others still sell and
@@ -706,6 +700,10 @@ impl Reconciler {
                 _ = wake.notified() => {}
             }
             rebuild_waiting = false;
+            // The lag is measured at every pass, with or without a current
+            // activity, so its gauge (and the alert on it) is there from the
+            // first pass after a start.
+            self.measure_lag().await;
             for activity in cache.current_activities(Utc::now()) {
                 match self.reconcile_activity(&activity).await {
                     Ok(r) if r.rebuild_waiting => {
@@ -727,6 +725,23 @@ impl Reconciler {
                         tracing::warn!(error = %err, activity_id = %activity.id, "reconcile pass failed");
                     }
                 }
+            }
+            // Only the first set counts; later ones change nothing.
+            let _ = self.first_pass.set(());
+        }
+    }
+
+    /// The consumer group's lag into `flashsale_consumer_lag_messages`; a broker
+    /// that does not answer leaves the gauge as it was (and says so in the log).
+    async fn measure_lag(&self) -> Option<i64> {
+        match queue::consumer_lag(&self.kafka).await {
+            Ok(lag) => {
+                metrics::gauge!("flashsale_consumer_lag_messages").set(lag as f64);
+                Some(lag)
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "consumer lag unknown");
+                None
             }
         }
     }

@@ -1,9 +1,11 @@
 //! A TCP relay on loopback between a service and one of its dependencies. A test
 //! cuts it (an outage that refuses new connections and drops open ones) or points
 //! it at another server (a failover behind one address, as a virtual IP does), or
-//! holds what the service sends for a while (a request stalled on its way).
+//! holds what the service sends for a while (a request stalled on its way). It
+//! counts the bytes the service sends through it, so a test can see how much
+//! work the dependency was given.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub struct Relay {
@@ -14,6 +16,7 @@ pub struct Relay {
     upstream: Arc<Mutex<String>>,
     stop: Arc<tokio::sync::Notify>,
     held: Arc<tokio::sync::watch::Sender<bool>>,
+    sent: Arc<AtomicU64>,
 }
 
 impl Relay {
@@ -30,6 +33,8 @@ impl Relay {
         let stop = Arc::new(tokio::sync::Notify::new());
         let upstream = Arc::new(Mutex::new(upstream.to_owned()));
         let held = Arc::new(tokio::sync::watch::Sender::new(false));
+        let sent = Arc::new(AtomicU64::new(0));
+        let sent2 = sent.clone();
         let (up2, refused2, cut2, upstream2, stop2, held2) = (
             up.clone(),
             refused.clone(),
@@ -56,6 +61,7 @@ impl Relay {
                     .unwrap_or_else(|p| p.into_inner().clone());
                 let cut = cut2.clone();
                 let mut held = held2.subscribe();
+                let sent = sent2.clone();
                 tokio::spawn(async move {
                     use tokio::io::{AsyncReadExt, AsyncWriteExt};
                     let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
@@ -71,6 +77,7 @@ impl Relay {
                                 Ok(0) | Err(_) => break,
                                 Ok(n) => n,
                             };
+                            sent.fetch_add(n as u64, Ordering::SeqCst);
                             if held.wait_for(|h| !*h).await.is_err()
                                 || to_upstream.write_all(&buf[..n]).await.is_err()
                             {
@@ -107,6 +114,7 @@ impl Relay {
             upstream,
             stop,
             held,
+            sent,
         }
     }
 
@@ -118,6 +126,12 @@ impl Relay {
 
     pub fn release(&self) {
         self.held.send_replace(false);
+    }
+
+    /// Bytes the service has sent to the dependency through the relay so far
+    /// (every request it made, on every connection).
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent.load(Ordering::SeqCst)
     }
 
     /// Refuses new connections and drops the open ones.

@@ -56,6 +56,8 @@ pub fn test_settings() -> Settings {
 
 pub struct TestApp {
     pub address: String,
+    /// `server.ops_addr`'s listener, when the test set one.
+    pub ops_address: Option<String>,
     pub client: reqwest::Client,
     pub settings: Settings,
     pub state: AppState,
@@ -88,9 +90,15 @@ fn init_test_logging() {
 }
 
 pub async fn spawn_app_with(customise: impl FnOnce(&mut Settings)) -> TestApp {
-    init_test_logging();
     let mut settings = test_settings();
     customise(&mut settings);
+    spawn_app_from(settings).await
+}
+
+/// An app with exactly these settings (a second instance on another's database,
+/// topic and group, for one).
+pub async fn spawn_app_from(settings: Settings) -> TestApp {
+    init_test_logging();
     startup::migrate(&settings.mysql)
         .await
         .expect("migrations apply");
@@ -98,11 +106,13 @@ pub async fn spawn_app_with(customise: impl FnOnce(&mut Settings)) -> TestApp {
         .await
         .expect("application builds");
     let address = format!("http://127.0.0.1:{}", app.port());
+    let ops_address = app.ops_port().map(|p| format!("http://127.0.0.1:{p}"));
     let state = app.state();
     let shutdown = app.shutdown_token();
     let server = tokio::spawn(app.run_until_stopped());
     TestApp {
         address,
+        ops_address,
         client: reqwest::Client::builder()
             .pool_max_idle_per_host(512)
             .build()
@@ -119,6 +129,44 @@ pub use testkit::sale::Sale;
 impl TestApp {
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.address, path)
+    }
+
+    /// `GET path` without credentials.
+    pub async fn get(&self, path: &str) -> Response {
+        self.client
+            .get(self.url(path))
+            .send()
+            .await
+            .expect("request sent")
+    }
+
+    /// Waits until `/readyz` answers `200` (the first probe may not have
+    /// finished when the server starts).
+    pub async fn wait_ready(&self) {
+        eventually(Duration::from_secs(10), "/readyz to answer 200", || async {
+            (self.get("/readyz").await.status() == StatusCode::OK).then_some(())
+        })
+        .await
+    }
+
+    /// The environment for running the `flashsale` binary against this app's
+    /// database, Redis, topics and group.
+    pub fn binary_env(&self) -> testkit::process::Env {
+        let s = &self.settings;
+        let mut env = testkit::process::Env::new(
+            env!("CARGO_BIN_EXE_flashsale"),
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+        );
+        env.set("FLASHSALE__MYSQL__URL", s.mysql.url.expose_secret());
+        env.set("FLASHSALE__REDIS__URL", &s.redis.url);
+        env.set("FLASHSALE__KAFKA__BROKERS", &s.kafka.brokers);
+        env.set("FLASHSALE__KAFKA__TOPIC", &s.kafka.topic);
+        env.set(
+            "FLASHSALE__KAFKA__DEAD_LETTER_TOPIC",
+            &s.kafka.dead_letter_topic,
+        );
+        env.set("FLASHSALE__KAFKA__GROUP_ID", &s.kafka.group_id);
+        env
     }
 
     pub fn admin_token(&self) -> String {

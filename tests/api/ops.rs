@@ -16,12 +16,8 @@ async fn health_readiness_and_metrics() {
         .expect("sent");
     assert_eq!(resp.status(), StatusCode::OK);
 
-    let resp = app
-        .client
-        .get(app.url("/readyz"))
-        .send()
-        .await
-        .expect("sent");
+    app.wait_ready().await;
+    let resp = app.get("/readyz").await;
     assert_eq!(resp.status(), StatusCode::OK);
     let body: Value = resp.json().await.expect("json");
     for dep in ["redis", "mysql", "kafka"] {
@@ -193,25 +189,9 @@ fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_consumer_serves_metrics_and_health() {
     let app = crate::helpers::spawn_app().await;
-    let s = &app.settings;
     let dir = tempfile::tempdir().expect("a temporary folder");
     let port = testkit::process::free_port();
-    let mut env = testkit::process::Env::new(
-        env!("CARGO_BIN_EXE_flashsale"),
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
-    );
-    env.set(
-        "FLASHSALE__MYSQL__URL",
-        secrecy::ExposeSecret::expose_secret(&s.mysql.url),
-    );
-    env.set("FLASHSALE__REDIS__URL", &s.redis.url);
-    env.set("FLASHSALE__KAFKA__BROKERS", &s.kafka.brokers);
-    env.set("FLASHSALE__KAFKA__TOPIC", &s.kafka.topic);
-    env.set(
-        "FLASHSALE__KAFKA__DEAD_LETTER_TOPIC",
-        &s.kafka.dead_letter_topic,
-    );
-    env.set("FLASHSALE__KAFKA__GROUP_ID", &s.kafka.group_id);
+    let mut env = app.binary_env();
     // Set after the kit's own default (port 0), so this one wins.
     env.set(
         "FLASHSALE__CONSUMER__METRICS_ADDR",
@@ -308,12 +288,23 @@ async fn an_api_instance_is_ready_without_mysql() {
         let (client, url) = (app.client.clone(), app.url(path));
         async move { client.get(url).send().await.expect("sent") }
     };
-    assert_eq!(ready("/readyz?role=api").await.status(), StatusCode::OK);
+    app.wait_ready().await;
     relay.down();
-    let resp = ready("/readyz").await;
-    let body =
-        crate::helpers::assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
-    assert_eq!(body["checks"]["mysql"], "down", "{body}");
+    // The prober sees it at its next round (every 500 ms).
+    let body = crate::helpers::eventually(
+        std::time::Duration::from_secs(3),
+        "readiness to report MySQL down",
+        || async {
+            let resp = ready("/readyz").await;
+            let status = resp.status();
+            let body: serde_json::Value = resp.json().await.ok()?;
+            (status == StatusCode::SERVICE_UNAVAILABLE && body["checks"]["mysql"] == "down")
+                .then_some(body)
+        },
+    )
+    .await;
+    assert_eq!(body["code"], "unavailable", "{body}");
+    assert_eq!(body["checks"]["redis"], "ok", "{body}");
     let resp = ready("/readyz?role=api").await;
     assert_eq!(resp.status(), StatusCode::OK);
     let body: serde_json::Value = resp.json().await.expect("JSON");
@@ -322,4 +313,286 @@ async fn an_api_instance_is_ready_without_mysql() {
     let resp = ready("/readyz?role=nonsense").await;
     crate::helpers::assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
     relay.up();
+    // And ready again once it answers.
+    crate::helpers::eventually(
+        std::time::Duration::from_secs(5),
+        "readiness once MySQL is back",
+        || async { (ready("/readyz").await.status() == StatusCode::OK).then_some(()) },
+    )
+    .await;
+}
+
+/// `server.ops_addr`: a listener with the probes and metrics only; the main
+/// listener keeps serving them too.
+#[tokio::test]
+async fn the_ops_listener_serves_the_probes_and_nothing_else() {
+    let app =
+        crate::helpers::spawn_app_with(|s| s.server.ops_addr = Some("127.0.0.1:0".into())).await;
+    let ops = app.ops_address.clone().expect("an ops listener");
+    assert_ne!(ops, app.address);
+    let get = |path: &str| {
+        let (client, url) = (app.client.clone(), format!("{ops}{path}"));
+        async move { client.get(url).send().await.expect("sent") }
+    };
+    assert_eq!(get("/healthz").await.status(), StatusCode::OK);
+    crate::helpers::eventually(
+        std::time::Duration::from_secs(10),
+        "/readyz on the ops listener",
+        || async { (get("/readyz").await.status() == StatusCode::OK).then_some(()) },
+    )
+    .await;
+    let resp = get("/readyz?role=api").await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let metrics = get("/metrics").await;
+    assert_eq!(metrics.status(), StatusCode::OK);
+    assert!(metrics
+        .text()
+        .await
+        .expect("text")
+        .contains("# HELP flashsale_build_info "));
+    // Not the API: no admin, user, documentation or page route answers there.
+    let sale = app.open_sale(3, 1).await;
+    for path in [
+        "/admin/activities".to_owned(),
+        format!("/flash/{}", sale.sku),
+        "/openapi.json".to_owned(),
+        "/docs".to_owned(),
+        "/admin/ui".to_owned(),
+    ] {
+        let resp = app
+            .client
+            .get(format!("{ops}{path}"))
+            .bearer_auth(app.admin_token())
+            .send()
+            .await
+            .expect("sent");
+        crate::helpers::assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+    }
+    let resp = app
+        .client
+        .post(format!("{ops}/flash/{}/reserve", sale.sku))
+        .bearer_auth(app.token("ops-user"))
+        .send()
+        .await
+        .expect("sent");
+    crate::helpers::assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+    // The main listener still serves all three, for compatibility.
+    assert_eq!(app.get("/healthz").await.status(), StatusCode::OK);
+    assert_eq!(app.get("/readyz").await.status(), StatusCode::OK);
+    assert_eq!(app.get("/metrics").await.status(), StatusCode::OK);
+    assert_eq!(
+        app.get(&format!("/flash/{}", sale.sku)).await.status(),
+        StatusCode::OK
+    );
+    app.stop().await;
+}
+
+/// The app's MySQL behind a relay that counts what the app sends it.
+fn through_relay(s: &mut flashsale::config::Settings, relay_port: u16) {
+    let url = secrecy::ExposeSecret::expose_secret(&s.mysql.url)
+        .replace(":3306/", &format!(":{relay_port}/"));
+    s.mysql.url = secrecy::SecretString::from(url);
+}
+
+/// `count` requests for `path`, all sent at once; their statuses.
+async fn flood(app: &crate::helpers::TestApp, path: &str, count: usize) -> Vec<StatusCode> {
+    let url = app.url(path);
+    futures::future::join_all((0..count).map(|_| {
+        let (client, url) = (app.client.clone(), url.clone());
+        async move { client.get(url).send().await.expect("sent").status() }
+    }))
+    .await
+}
+
+/// `/readyz` answers from the background probe: 2,000 probes at once send MySQL
+/// nothing beyond the prober's own statement every half second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_readiness_probes_costs_the_database_nothing() {
+    const PROBES: usize = 2_000;
+    let relay = crate::helpers::Relay::start("127.0.0.1:3306").await;
+    let port = relay.port;
+    let app = crate::helpers::spawn_app_with(|s| {
+        through_relay(s, port);
+        // Nothing else of the app talks to MySQL meanwhile: the activity cache
+        // reads once at start (the workers are off in tests).
+        s.activities.refresh_interval_ms = 3_600_000;
+    })
+    .await;
+    app.wait_ready().await;
+    let before = relay.bytes_sent();
+    let started = std::time::Instant::now();
+    let statuses = flood(&app, "/readyz", PROBES).await;
+    let elapsed = started.elapsed();
+    let sent = relay.bytes_sent() - before;
+    // Each MySQL command is at least 5 bytes (a 4-byte header and the command),
+    // so a probe that reached MySQL would make the flood send 10,000 bytes or
+    // more. The prober sends a ping and one statement every 500 ms; 256 bytes is
+    // a generous allowance for each of its rounds.
+    let prober_rounds = elapsed.as_millis() as u64 / 500 + 2;
+    assert!(
+        sent <= 256 * prober_rounds,
+        "{PROBES} probes in {elapsed:?} sent MySQL {sent} bytes"
+    );
+    let not_ok: Vec<_> = statuses.iter().filter(|s| **s != StatusCode::OK).collect();
+    assert!(not_ok.is_empty(), "not every probe was ready: {not_ok:?}");
+    app.stop().await;
+}
+
+/// `/metrics` reads each activity's figures from Redis at most about once a
+/// second, however many scrapes arrive: a flood costs Redis next to nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_scrapes_reads_redis_once_a_second_at_most() {
+    const SCRAPES: usize = 1_000;
+    let relay = crate::helpers::Relay::start("127.0.0.1:6379").await;
+    let port = relay.port;
+    let app = crate::helpers::spawn_app_with(|s| {
+        s.redis.url = format!("redis://127.0.0.1:{port}");
+    })
+    .await;
+    let sale = app.open_sale(10, 1).await;
+    let first = app.get("/metrics").await.text().await.expect("text");
+    assert!(
+        first.contains(&format!(
+            "flashsale_activity_units_left{{activity_id=\"{}\"}} 10",
+            sale.id
+        )),
+        "{first}"
+    );
+    let before = relay.bytes_sent();
+    let started = std::time::Instant::now();
+    let statuses = flood(&app, "/metrics", SCRAPES).await;
+    let elapsed = started.elapsed();
+    let sent = relay.bytes_sent() - before;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    // The smallest Redis command of a figure read is well over 20 bytes; fewer
+    // than 20 bytes a scrape means the scrapes shared their reads.
+    assert!(
+        sent < 20 * SCRAPES as u64,
+        "{SCRAPES} scrapes in {elapsed:?} sent Redis {sent} bytes"
+    );
+    // The figures are still fresh: a unit sold shows within about a second.
+    assert_eq!(
+        app.reserve(&sale.sku, "scraped", None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    let line = format!(
+        "flashsale_activity_units_left{{activity_id=\"{}\"}} 9",
+        sale.id
+    );
+    crate::helpers::eventually(
+        std::time::Duration::from_secs(3),
+        "the scrape to show the unit sold",
+        || async {
+            app.get("/metrics")
+                .await
+                .text()
+                .await
+                .ok()?
+                .contains(&line)
+                .then_some(())
+        },
+    )
+    .await;
+    app.stop().await;
+}
+
+/// The metric names the alert rules' expressions use.
+fn alerted_metrics() -> std::collections::BTreeSet<String> {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/prometheus/alerts.yml");
+    let rules = std::fs::read_to_string(&path).expect("alerts.yml");
+    let exprs: String = rules
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("expr:"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    metric_names(&exprs)
+}
+
+/// After a restart, the first scrape already has every metric an alert rule
+/// uses: a counter that first appears at 1 is an increase Prometheus never
+/// sees, and a gauge that appears late leaves its alert blind until then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_scrape_has_every_metric_the_alerts_use() {
+    let alerted = alerted_metrics();
+    for name in [
+        "flashsale_consumer_lag_messages",
+        "flashsale_promises_broken_total",
+        "flashsale_activity_drift_units",
+    ] {
+        assert!(alerted.contains(name), "{name} in {alerted:?}");
+    }
+    // A sale running when the instance (re)starts.
+    let app = crate::helpers::spawn_app().await;
+    let sale = app.open_sale(10, 1).await;
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let env = app.binary_env();
+    let service =
+        tokio::task::block_in_place(|| testkit::process::Service::start("serve", &env, dir.path()));
+    let text = app
+        .client
+        .get(format!("{}/metrics", service.base()))
+        .send()
+        .await
+        .expect("sent")
+        .text()
+        .await
+        .expect("text");
+    let missing: Vec<&String> = alerted
+        .iter()
+        .filter(|name| {
+            !text.lines().any(|l| {
+                l.strip_prefix(name.as_str())
+                    .is_some_and(|rest| rest.starts_with(['{', ' ']))
+            })
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "missing from the first scrape: {missing:?}\n{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "flashsale_activity_drift_units{{activity_id=\"{}\"}} 0",
+            sale.id
+        )),
+        "{text}"
+    );
+    promtool_accepts(&text);
+    drop(service);
+}
+
+/// The published development secrets are refused off loopback, whatever
+/// `FLASHSALE_ENV` says (the kit runs the binary with `test`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_development_secrets_are_refused_on_a_public_address() {
+    let app = crate::helpers::spawn_app().await;
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let mut env = app.binary_env();
+    env.set(
+        "FLASHSALE__SERVER__ADDR",
+        format!("0.0.0.0:{}", testkit::process::free_port()),
+    );
+    let mut serve =
+        testkit::process::flashsale(&["serve"], &env, dir.path().join("serve.log"), "serve");
+    let exited = crate::helpers::eventually(
+        std::time::Duration::from_secs(20),
+        "serve to refuse to start",
+        || {
+            let exited = serve.try_wait();
+            async move { exited }
+        },
+    )
+    .await;
+    let log = serve.log_tail(20);
+    assert!(!exited, "exited with success:\n{log}");
+    assert!(
+        log.contains("refusing to start")
+            && log.contains("auth.admin_token")
+            && log.contains("loopback"),
+        "{log}"
+    );
 }
