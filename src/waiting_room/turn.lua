@@ -14,7 +14,11 @@ elseif outcome == "expired" then
   return 2
 end
 local until_ms = redis.call("ZSCORE", KEYS[5], ARGV[1])
-if until_ms and tonumber(until_ms) >= tonumber(ARGV[2]) then
-  return 1
+if until_ms then
+  if tonumber(until_ms) >= tonumber(ARGV[2]) then
+    return 1
+  end
+  -- Ran out, not yet settled by the admission step.
+  return 2
 end
 return 0
