@@ -26,7 +26,9 @@ out="$PWD/.run/campaign"
 mkdir -p "$out"
 rm -f "$out"/seed-*.log
 # Built once; every seed runs the same binary.
-bin=$(cargo test --locked --test faults --no-run --message-format=json \
+# CARGO may wrap cargo (a lock on a shared build machine): `CARGO="flock L cargo"`.
+read -r -a cargo <<<"${CARGO:-cargo}"
+bin=$("${cargo[@]}" test --locked --test faults --no-run --message-format=json \
     | grep -o '"executable":"[^"]*"' | tail -1 | cut -d'"' -f4)
 [[ -x "$bin" ]] || { echo "campaign: the fault suite's binary was not built" >&2; exit 1; }
 

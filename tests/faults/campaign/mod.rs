@@ -364,12 +364,17 @@ async fn campaign(
             PROBE_EVERY,
         );
         let from = Instant::now();
-        let result = async {
-            nemesis.strike(run, e.target).await?;
-            tokio::time::sleep(e.hold).await;
-            nemesis.heal(run, e.target).await
-        }
-        .await;
+        // Healed even when the strike half failed: nothing stays broken.
+        let result = match nemesis.strike(run, e.target).await {
+            Ok(()) => {
+                tokio::time::sleep(e.hold).await;
+                nemesis.heal(run, e.target).await
+            }
+            Err(err) => {
+                let _ = nemesis.heal(run, e.target).await;
+                Err(err)
+            }
+        };
         let healed = Instant::now();
         if let Err(err) = result {
             probes.extend(prober.stop().await);
@@ -404,7 +409,7 @@ async fn campaign(
     // awaiting payment; lapses bring units back and reopen a room, so round
     // again until it all holds at once.
     let probe = run.probe();
-    let settled = testkit::within(Duration::from_secs(180), "the sale to settle", || async {
+    let settled = testkit::within(Duration::from_secs(120), "the sale to settle", || async {
         if crowd.active.load(Ordering::SeqCst) > 0 {
             return None;
         }
@@ -509,6 +514,17 @@ async fn campaign(
             .cloned()
             .collect();
         let outage = Outage::measure(&window, s.healed);
+        println!(
+            "campaign: seed {}: +{:.1} s {} for {:.1} s, back {}",
+            plan.seed,
+            s.from.duration_since(busy_from).as_secs_f64(),
+            s.kind,
+            s.healed.duration_since(s.from).as_secs_f64(),
+            outage
+                .gap
+                .map(|g| format!("{:.2} s after the heal", g.as_secs_f64()))
+                .unwrap_or_else(|| "never".into())
+        );
         if let Some(gap) = outage.gap {
             if outcome.worst_gap.is_none_or(|(g, b, _)| {
                 gap.as_secs_f64() / b.as_secs_f64() > g.as_secs_f64() / b.as_secs_f64()
