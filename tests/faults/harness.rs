@@ -534,7 +534,10 @@ pub async fn start(setup: &Setup) -> Result<Run, String> {
              GRANT INSERT ON `{db}`.`orders` TO '{user}'@'127.0.0.1'; \
              GRANT INSERT ON `{db}`.`withdrawals` TO '{user}'@'127.0.0.1'; \
              GRANT INSERT ON `{db}`.`sku_locks` TO '{user}'@'127.0.0.1'; \
-             GRANT INSERT ON `{db}`.`activities` TO '{user}'@'127.0.0.1'"
+             GRANT INSERT ON `{db}`.`activities` TO '{user}'@'127.0.0.1'; \
+             GRANT INSERT ON `{db}`.`stock_topups` TO '{user}'@'127.0.0.1'; \
+             GRANT INSERT ON `{db}`.`waiting_room_draws` TO '{user}'@'127.0.0.1'; \
+             GRANT INSERT ON `{db}`.`waiting_room_entries` TO '{user}'@'127.0.0.1'"
         ))
         .await?;
         run.mysql_url = run

@@ -314,7 +314,13 @@ async fn campaign(
             tasks.push(tokio::spawn(crowd.clone().buy(b.clone(), true, busy_from)));
         }
     }
-    let warmup = harness::ready(run, &auth).await?;
+    let warmup = match harness::ready(run, &auth).await {
+        Ok(w) => w,
+        Err(e) => {
+            crowd.stop.store(true, Ordering::SeqCst);
+            return Err(e);
+        }
+    };
     let busy_from = match plan.waiting_room {
         true => busy_from,
         false => Instant::now(),
@@ -377,7 +383,10 @@ async fn campaign(
         };
         let healed = Instant::now();
         if let Err(err) = result {
-            probes.extend(prober.stop().await);
+            let _ = prober.stop().await;
+            // The buyers and the reconciler hammer stop with the run.
+            crowd.stop.store(true, Ordering::SeqCst);
+            run.stop.store(true, Ordering::SeqCst);
             return Err(format!("{} (fault {n}): {err}", nemesis.kind()));
         }
         // Until service is back as the checks measure it (answers served right
