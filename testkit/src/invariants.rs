@@ -11,6 +11,11 @@
 //! 4. Conservation: Redis stock + live units = stock = MySQL available + live
 //!    units (nothing is pending, and no unit is between stock shards, once quiet).
 //!
+//! 5. Nothing stays shut ([`Probe::room_outcomes`], [`Probe::units_left`]):
+//!    once quiet, every user who joined a waiting room was told an outcome (an
+//!    order, or `sold_out` / `expired`), and no unit in Redis waits for a buyer
+//!    the room keeps out.
+//!
 //! Redis is read through the service's own `StockStore`, summed over the sale's
 //! stock shards, on one node or a Cluster.
 //!
@@ -51,6 +56,8 @@ impl Answer {
             (self.status, self.code.as_deref()),
             (Some(202), _)
                 | (Some(409), Some("sold_out" | "already_reserved"))
+                // A sale with a waiting room, to a user without a turn.
+                | (Some(403), Some("not_admitted"))
                 | (Some(503), Some("unavailable" | "paused"))
                 | (None, _)
         )
@@ -179,6 +186,77 @@ impl Probe {
                 return Err(format!("never quiet: {last}"));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The units Redis holds for sale now, over every shard (`None`: not loaded).
+    pub async fn units_left(&self) -> Result<Option<i64>, String> {
+        let pool = self.pool().await?;
+        let state = self.redis_state(&pool).await;
+        pool.close().await;
+        Ok(state?.0.stock)
+    }
+
+    /// Invariant 5 for a waiting room, once the sale is quiet. `places` holds
+    /// every user who joined with the state `GET /flash/{sku}/queue` answers
+    /// them now (`"none"` when it does not know them). Each must have been told
+    /// an outcome: an order (whatever became of it), or `expired`, or
+    /// `sold_out`; and no one may be told `sold_out` or left waiting while units
+    /// are for sale in Redis. `Err` names who and how many.
+    pub async fn room_outcomes(&self, places: &[(String, String)]) -> Result<(), String> {
+        let pool = self.pool().await?;
+        let ordered: Result<Vec<(String,)>, String> =
+            sqlx::query_as("SELECT DISTINCT user_id FROM orders WHERE activity_id = ?")
+                .bind(&self.activity_id)
+                .fetch_all(&pool)
+                .await
+                .map_err(|e| e.to_string());
+        // Who the draw placed (MySQL keeps them): tells a reader whether the
+        // untold joined before the start or after.
+        let drawn: Result<Vec<(String,)>, String> =
+            sqlx::query_as("SELECT user_id FROM waiting_room_entries WHERE activity_id = ?")
+                .bind(&self.activity_id)
+                .fetch_all(&pool)
+                .await
+                .map_err(|e| e.to_string());
+        let state = self.redis_state(&pool).await;
+        pool.close().await;
+        let ordered: std::collections::HashSet<String> =
+            ordered?.into_iter().map(|(u,)| u).collect();
+        let drawn: std::collections::HashSet<String> = drawn?.into_iter().map(|(u,)| u).collect();
+        let left = state?.0.stock.unwrap_or(0);
+        let mut untold: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        let mut shut_out = 0;
+        for (user, place) in places {
+            if ordered.contains(user) {
+                continue;
+            }
+            match place.as_str() {
+                "expired" => {}
+                "sold_out" if left <= 0 => {}
+                "sold_out" => shut_out += 1,
+                other => untold.entry(other).or_default().push(user),
+            }
+        }
+        let mut problems = Vec::new();
+        for (place, users) in &untold {
+            let some: Vec<&&str> = users.iter().take(5).collect();
+            let placed = users.iter().filter(|u| drawn.contains(**u)).count();
+            problems.push(format!(
+                "{} joined users told no outcome (queue state {place:?}, no order; {placed} of them placed by the draw, {} joined after it), e.g. {some:?}",
+                users.len(),
+                users.len() - placed
+            ));
+        }
+        if shut_out > 0 {
+            problems.push(format!(
+                "{shut_out} joined users told sold_out while Redis holds {left} units"
+            ));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("\n"))
         }
     }
 

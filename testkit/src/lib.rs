@@ -7,6 +7,7 @@
 //!   replica, MariaDB or broker of a test's own), killable, pausable, restartable;
 //! - [`relay`]: a TCP relay a test can cut or point elsewhere (an outage, a
 //!   failover behind one address);
+//! - [`rng`]: a seeded generator, so a random schedule replays from its seed;
 //! - [`sale`]: creating and loading a sale through the admin API;
 //! - [`invariants`]: waiting until a sale is quiet, then checking DESIGN.md's four
 //!   invariants against MySQL, Redis and the answers the clients got.
@@ -16,6 +17,7 @@ pub mod browser;
 pub mod invariants;
 pub mod process;
 pub mod relay;
+pub mod rng;
 pub mod sale;
 pub mod stats;
 

@@ -123,10 +123,28 @@ pub struct Setup {
     pub payment_timeout_secs: u32,
     /// The sale's stock shards (`"stock_shards"`).
     pub stock_shards: u8,
+    pub stock: u32,
+    /// Admission through the waiting room (`"admission": "waiting_room"`).
+    pub waiting_room: bool,
+    /// Seconds from now to the sale's start (negative: selling already).
+    pub starts_in_secs: i64,
     pub env: Vec<(String, String)>,
 }
 
 impl Setup {
+    /// A scenario's defaults: one service, one shard, 100 units, open a few
+    /// seconds ago, 15 minutes to pay.
+    pub fn new() -> Self {
+        Setup {
+            services: 1,
+            payment_timeout_secs: 900,
+            stock_shards: 1,
+            stock: STOCK,
+            starts_in_secs: -5,
+            ..Setup::default()
+        }
+    }
+
     pub fn set(&mut self, key: &str, value: impl ToString) {
         self.env.push((key.to_owned(), value.to_string()));
     }
@@ -154,6 +172,8 @@ pub struct Run {
     pub activity_id: String,
     /// The sale's stock shards.
     pub shards: u8,
+    /// Whether the sale admits through its waiting room.
+    pub waiting_room: bool,
     pub sku: String,
     pub admin: String,
     pub client: reqwest::Client,
@@ -287,7 +307,7 @@ impl Run {
         r
     }
 
-    fn probe(&self) -> Probe {
+    pub fn probe(&self) -> Probe {
         Probe {
             mysql_url: self.root_mysql_url.clone(),
             redis_url: self.redis_url(),
@@ -324,16 +344,18 @@ pub struct Row {
 }
 
 pub async fn scenario(fault: &dyn Fault) -> Result<Row, String> {
-    let mut setup = Setup {
-        services: 1,
-        payment_timeout_secs: 900,
-        stock_shards: 1,
-        ..Setup::default()
-    };
+    let mut setup = Setup::new();
     fault.prepare(&mut setup);
     let mut run = start(&setup).await?;
     let result = sell(fault, &mut run).await;
-    if result.is_err() {
+    finish(run, result.is_err()).await?;
+    result
+}
+
+/// Stops everything a run started and drops its database; a failed run's
+/// process logs go to stderr first (and its folder is kept with `FAULTS_KEEP`).
+pub async fn finish(mut run: Run, failed: bool) -> Result<(), String> {
+    if failed {
         for s in &run.services {
             eprintln!("--- {} log:\n{}", s.port, s.log_tail());
         }
@@ -355,18 +377,18 @@ pub async fn scenario(fault: &dyn Fault) -> Result<Row, String> {
     }
     let _ =
         <sqlx::MySql as sqlx::migrate::MigrateDatabase>::drop_database(&run.root_mysql_url).await;
-    if std::env::var_os("FAULTS_KEEP").is_some() && result.is_err() {
+    if std::env::var_os("FAULTS_KEEP").is_some() && failed {
         let kept = std::mem::replace(
             &mut run.dir,
             tempfile::tempdir().map_err(|e| e.to_string())?,
         );
         std::mem::forget(kept);
     }
-    result
+    Ok(())
 }
 
 /// Starts the scenario's servers and services and opens the sale.
-async fn start(setup: &Setup) -> Result<Run, String> {
+pub async fn start(setup: &Setup) -> Result<Run, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let settings = base_settings();
     let admin = settings.auth.admin_token.expose_secret().to_owned();
@@ -484,6 +506,7 @@ async fn start(setup: &Setup) -> Result<Run, String> {
         kafka,
         activity_id: String::new(),
         shards: 1,
+        waiting_room: setup.waiting_room,
         sku: String::new(),
         admin,
         client: reqwest::Client::builder()
@@ -511,7 +534,10 @@ async fn start(setup: &Setup) -> Result<Run, String> {
              GRANT INSERT ON `{db}`.`orders` TO '{user}'@'127.0.0.1'; \
              GRANT INSERT ON `{db}`.`withdrawals` TO '{user}'@'127.0.0.1'; \
              GRANT INSERT ON `{db}`.`sku_locks` TO '{user}'@'127.0.0.1'; \
-             GRANT INSERT ON `{db}`.`activities` TO '{user}'@'127.0.0.1'"
+             GRANT INSERT ON `{db}`.`activities` TO '{user}'@'127.0.0.1'; \
+             GRANT INSERT ON `{db}`.`stock_topups` TO '{user}'@'127.0.0.1'; \
+             GRANT INSERT ON `{db}`.`waiting_room_draws` TO '{user}'@'127.0.0.1'; \
+             GRANT INSERT ON `{db}`.`waiting_room_entries` TO '{user}'@'127.0.0.1'"
         ))
         .await?;
         run.mysql_url = run
@@ -541,7 +567,9 @@ async fn start(setup: &Setup) -> Result<Run, String> {
     let spec = SaleSpec {
         payment_timeout_secs: setup.payment_timeout_secs,
         stock_shards: setup.stock_shards,
-        ..SaleSpec::new(STOCK)
+        waiting_room: setup.waiting_room,
+        starts_in_secs: setup.starts_in_secs,
+        ..SaleSpec::new(setup.stock)
     };
     let sale = open_sale(&run.client, &run.base(), &run.admin, &spec).await?;
     run.activity_id = sale.id;
@@ -554,48 +582,7 @@ async fn start(setup: &Setup) -> Result<Run, String> {
 async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
     let auth = test_auth();
     let targets: Arc<Vec<String>> = Arc::new(run.services.iter().map(Service::base).collect());
-    // Every instance learns of a new sale on its next cache refresh.
-    for base in targets.iter() {
-        let url = format!("{base}/flash/{}", run.sku);
-        testkit::within(
-            Duration::from_secs(10),
-            "every instance to see the sale",
-            || async {
-                run.client
-                    .get(&url)
-                    .send()
-                    .await
-                    .ok()
-                    .filter(|r| r.status().is_success())
-                    .map(|_| ())
-            },
-        )
-        .await?;
-    }
-    // One reservation through to MySQL first: every consumer has joined its group
-    // and is consuming before the sale and the fault begin.
-    let warmup = warm_up(run, &auth).await?;
-    // With several consumers in the group, the sale starts once each holds
-    // partitions (the broker rebalances a group some seconds after a join).
-    if !run.separate_consumer && run.services.len() > 1 {
-        testkit::within(
-            Duration::from_secs(60),
-            "every consumer to hold partitions",
-            || async {
-                for i in 0..run.services.len() {
-                    if run
-                        .metric_of(i, "flashsale_consumer_assigned_partitions")
-                        .await
-                        < 1.0
-                    {
-                        return None;
-                    }
-                }
-                Some(())
-            },
-        )
-        .await?;
-    }
+    let warmup = ready(run, &auth).await?;
 
     let reconcile_calls = Arc::new(AtomicUsize::new(0));
     let mut hammers = Vec::new();
@@ -705,8 +692,80 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
     })
 }
 
+/// Until the sale is selling everywhere: every instance sees it, one
+/// reservation went through to MySQL (every consumer has joined its group and is
+/// consuming), and with several consumers each holds partitions. Returns the
+/// warm-up reservation's answer, for the checker.
+pub async fn ready(run: &Run, auth: &Auth) -> Result<Answer, String> {
+    // Every instance learns of a new sale on its next cache refresh.
+    for service in &run.services {
+        let base = service.base();
+        let url = format!("{base}/flash/{}", run.sku);
+        testkit::within(
+            Duration::from_secs(10),
+            "every instance to see the sale",
+            || async {
+                run.client
+                    .get(&url)
+                    .send()
+                    .await
+                    .ok()
+                    .filter(|r| r.status().is_success())
+                    .map(|_| ())
+            },
+        )
+        .await?;
+    }
+    // One reservation through to MySQL first: every consumer has joined its group
+    // and is consuming before the sale and the fault begin.
+    let warmup = warm_up(run, auth).await?;
+    // With several consumers in the group, the sale starts once each holds
+    // partitions (the broker rebalances a group some seconds after a join).
+    if !run.separate_consumer && run.services.len() > 1 {
+        testkit::within(
+            Duration::from_secs(60),
+            "every consumer to hold partitions",
+            || async {
+                for i in 0..run.services.len() {
+                    if run
+                        .metric_of(i, "flashsale_consumer_assigned_partitions")
+                        .await
+                        < 1.0
+                    {
+                        return None;
+                    }
+                }
+                Some(())
+            },
+        )
+        .await?;
+    }
+    Ok(warmup)
+}
+
 async fn warm_up(run: &Run, auth: &Auth) -> Result<Answer, String> {
     let token = auth.issue("warmup", 3600).map_err(|e| e.to_string())?;
+    if run.waiting_room {
+        // Only an admitted user may reserve: the warm-up joins the room and waits
+        // for its turn (the draw comes just after the start).
+        let url = format!("{}/flash/{}/queue", run.base(), run.sku);
+        run.client
+            .post(&url)
+            .bearer_auth(&token)
+            .send()
+            .await
+            .map_err(|e| format!("the warm-up's join: {e}"))?;
+        testkit::within(
+            Duration::from_secs(60),
+            "the warm-up's turn in the waiting room",
+            || async {
+                let resp = run.client.get(&url).bearer_auth(&token).send().await.ok()?;
+                let body: serde_json::Value = resp.json().await.ok()?;
+                (body["state"] == "admitted").then_some(())
+            },
+        )
+        .await?;
+    }
     // A fresh replica acknowledges its first writes about a second after it
     // synced: until then a `WAIT` may time out and the reservation is refused
     // (`503`, undone, nothing held). The warm-up waits that out.
@@ -776,7 +835,7 @@ async fn load(
 }
 
 /// The reconciler, over and over, through every instance's admin endpoint.
-async fn hammer_reconcile(
+pub async fn hammer_reconcile(
     client: reqwest::Client,
     targets: Arc<Vec<String>>,
     admin: String,

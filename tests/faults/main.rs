@@ -13,7 +13,13 @@
 //! inject, expect). The suite prints a table and ends with `N passed, M failed`.
 //! Run it alone with `cargo test --test faults`; extra arguments select scenarios
 //! by id or name.
+//!
+//! After the scenarios, a seeded random fault campaign (`campaign/`) runs a few
+//! fixed seeds and prints its own table; `cargo test --test faults campaign`
+//! runs it alone, `FLASHSALE_CAMPAIGN_SEEDS` and `FLASHSALE_CAMPAIGN_SECS` pick
+//! the seeds and the length.
 
+mod campaign;
 mod harness;
 mod scenarios;
 
@@ -38,6 +44,17 @@ fn main() {
                 })
         })
         .collect();
+    let run_campaign = filters.is_empty()
+        || filters
+            .iter()
+            .any(|x| "campaign".contains(x.as_str()) || "faults".contains(x.as_str()));
+    let (seeds, secs) = match run_campaign.then(campaign::seeds).transpose() {
+        Ok(picked) => picked.unwrap_or_default(),
+        Err(e) => {
+            eprintln!("faults: {e}");
+            std::process::exit(2);
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()
@@ -49,7 +66,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let results = runtime.block_on(async {
+    let (results, outcomes) = runtime.block_on(async {
         // Two at a time: enough to overlap the waits on a 2-core machine.
         let gate = Arc::new(tokio::sync::Semaphore::new(2));
         let mut tasks = Vec::new();
@@ -66,6 +83,22 @@ fn main() {
                 (fault.name(), result, started.elapsed())
             }));
         }
+        // The campaign's seeds queue behind the scenarios (the gate is fair).
+        let mut seed_tasks = Vec::new();
+        for seed in seeds {
+            let gate = gate.clone();
+            seed_tasks.push(tokio::spawn(async move {
+                let _permit = gate.acquire_owned().await;
+                match tokio::spawn(campaign::run_seed(seed, secs)).await {
+                    Ok(o) => o,
+                    Err(panic) => campaign::Outcome {
+                        seed,
+                        error: Some(format!("panicked: {panic}")),
+                        ..campaign::Outcome::default()
+                    },
+                }
+            }));
+        }
         let mut out = Vec::new();
         for t in tasks {
             match t.await {
@@ -73,9 +106,25 @@ fn main() {
                 Err(e) => out.push(("?", Err(format!("task failed: {e}")), Duration::ZERO)),
             }
         }
-        out
+        let mut outcomes = Vec::new();
+        for t in seed_tasks {
+            if let Ok(o) = t.await {
+                outcomes.push(o);
+            }
+        }
+        (out, outcomes)
     });
-    let (passed, failed) = report(&results);
+    let (mut passed, mut failed) = (0, 0);
+    if !results.is_empty() {
+        (passed, failed) = report(&results);
+    }
+    if !outcomes.is_empty() {
+        let (p, f) = campaign::report(&outcomes, secs);
+        println!();
+        println!("campaign: {p} seeds passed, {f} failed");
+        passed += p;
+        failed += f;
+    }
     println!();
     println!("faults: {passed} passed, {failed} failed");
     if failed > 0 {
