@@ -528,16 +528,26 @@ pub async fn start(setup: &Setup) -> Result<Run, String> {
         // statement (a database-level one only at their next USE).
         let user = unique("fs_").chars().take(30).collect::<String>();
         let db = &run.db;
+        // Every table the migrations made, so a new one needs no change here.
+        let root = sqlx::MySqlPool::connect(&run.root_mysql_url)
+            .await
+            .map_err(|e| e.to_string())?;
+        let tables: Vec<String> = sqlx::query_scalar(
+            "SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = ?",
+        )
+        .bind(db)
+        .fetch_all(&root)
+        .await
+        .map_err(|e| format!("listing the tables: {e}"))?;
+        root.close().await;
+        let inserts: String = tables
+            .iter()
+            .map(|t| format!("GRANT INSERT ON `{db}`.`{t}` TO '{user}'@'127.0.0.1'; "))
+            .collect();
         run.as_root(&format!(
             "CREATE USER '{user}'@'127.0.0.1' IDENTIFIED BY 'pw'; \
              GRANT SELECT, UPDATE, DELETE ON `{db}`.* TO '{user}'@'127.0.0.1'; \
-             GRANT INSERT ON `{db}`.`orders` TO '{user}'@'127.0.0.1'; \
-             GRANT INSERT ON `{db}`.`withdrawals` TO '{user}'@'127.0.0.1'; \
-             GRANT INSERT ON `{db}`.`sku_locks` TO '{user}'@'127.0.0.1'; \
-             GRANT INSERT ON `{db}`.`activities` TO '{user}'@'127.0.0.1'; \
-             GRANT INSERT ON `{db}`.`stock_topups` TO '{user}'@'127.0.0.1'; \
-             GRANT INSERT ON `{db}`.`waiting_room_draws` TO '{user}'@'127.0.0.1'; \
-             GRANT INSERT ON `{db}`.`waiting_room_entries` TO '{user}'@'127.0.0.1'"
+             {inserts}"
         ))
         .await?;
         run.mysql_url = run
