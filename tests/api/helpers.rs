@@ -141,12 +141,32 @@ impl TestApp {
     }
 
     /// Waits until `/readyz` answers `200` (the first probe may not have
-    /// finished when the server starts).
-    pub async fn wait_ready(&self) {
+    /// finished when the server starts; on a busy machine an answer may be late
+    /// for a moment); that answer's body.
+    pub async fn wait_ready(&self) -> Value {
         eventually(Duration::from_secs(10), "/readyz to answer 200", || async {
-            (self.get("/readyz").await.status() == StatusCode::OK).then_some(())
+            let resp = self.get("/readyz").await;
+            if resp.status() != StatusCode::OK {
+                return None;
+            }
+            resp.json().await.ok()
         })
         .await
+    }
+
+    /// Whether an answer is one of `/readyz`'s: `200`, or `503 unavailable`,
+    /// with every dependency's state in `checks`.
+    pub async fn is_readiness_answer(resp: Response) -> bool {
+        let status = resp.status();
+        let Ok(body) = resp.json::<Value>().await else {
+            return false;
+        };
+        let states_named = ["redis", "mysql", "kafka"]
+            .iter()
+            .all(|d| matches!(body["checks"][d].as_str(), Some("ok" | "down" | "unknown")));
+        states_named
+            && (status == StatusCode::OK
+                || (status == StatusCode::SERVICE_UNAVAILABLE && body["code"] == "unavailable"))
     }
 
     /// The environment for running the `flashsale` binary against this app's
