@@ -27,6 +27,7 @@ seq = redis.call("INCR", KEYS[3])
 -- draw, and never placed.
 if now < tonumber(ARGV[3]) and not sealed then
   redis.call("ZADD", KEYS[1], seq, ARGV[1])
+  redis.call("RPUSH", KEYS[8], "early\t" .. ARGV[1] .. "\t" .. seq)
 else
   -- Late: behind everyone drawn, in arrival order. Before the draw is
   -- committed, the commit puts them there. Journalled, so that a room rebuilt

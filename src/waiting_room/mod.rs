@@ -25,7 +25,7 @@
 //!   step that seals the early joins (`seal.lua`): a join after that is late,
 //!   whatever the joining instance's clock says.
 //! - **Cheap to wait.** A user's place is one script call (`status.lua`).
-//! - **A room Redis lost comes back.** Late joins and settled turns are
+//! - **A room Redis lost comes back.** Joins and settled turns are
 //!   journalled in Redis and copied to MySQL in batches (`journal.lua`,
 //!   `waiting_room_journal`); a rebuilt room gets them back (`restore.lua`),
 //!   with every buyer of the sale settled, before its draw is written again, so
@@ -344,6 +344,15 @@ impl WaitingRoom {
             .chain(restored.iter().map(|(_, _, seq)| *seq))
             .max()
             .unwrap_or(0);
+        // A room rebuilt after a loss: its joiners (early ones too, if it was
+        // lost before its draw) and settled turns, before it is sealed.
+        for chunk in restored.chunks(DRAW_CHUNK) {
+            let mut args = Vec::with_capacity(chunk.len() * 3);
+            for (user, what, seq) in chunk {
+                args.extend([arg(user), arg(what), arg(seq)]);
+            }
+            let _: i64 = self.run(a, &self.restore, &args).await?;
+        }
         let due = a.starts_at + chrono::Duration::from_std(DRAW_GRACE).unwrap_or_default();
         let sealed: Vec<String> = self
             .run(a, &self.seal, &[arg(ms(due)), arg(highest)])
@@ -386,14 +395,6 @@ impl WaitingRoom {
                 }
             }
         };
-        // A room rebuilt after a loss: its settled turns and late joiners first.
-        for chunk in restored.chunks(DRAW_CHUNK) {
-            let mut args = Vec::with_capacity(chunk.len() * 3);
-            for (user, what, seq) in chunk {
-                args.extend([arg(user), arg(what), arg(seq)]);
-            }
-            let _: i64 = self.run(a, &self.restore, &args).await?;
-        }
         for (i, chunk) in order.chunks(DRAW_CHUNK).enumerate() {
             let mut args = vec![arg(seed), arg(i * DRAW_CHUNK)];
             for (user, seq) in chunk {
@@ -457,7 +458,7 @@ fn parse_entry(entry: &str) -> Option<JournalRow> {
     let what = parts.next()?;
     let user = parts.next()?;
     let seq = match what {
-        "late" => parts.next()?.parse().ok()?,
+        "early" | "late" => parts.next()?.parse().ok()?,
         "reserved" | "expired" => 0,
         _ => return None,
     };
@@ -496,7 +497,7 @@ async fn load_journal(pool: &MySqlPool, activity_id: &str) -> anyhow::Result<Vec
     let mut rows: Vec<JournalRow> = sqlx::query_as(
         "SELECT user_id, CAST(kind AS CHAR), CAST(COALESCE(joined_seq, 0) AS UNSIGNED) \
          FROM waiting_room_journal \
-         WHERE activity_id = ? AND kind IN ('late', 'expired')",
+         WHERE activity_id = ? AND kind IN ('early', 'late', 'expired')",
     )
     .bind(activity_id)
     .fetch_all(pool)

@@ -1,12 +1,14 @@
--- Part of a room rebuilt after Redis lost it, before its draw is written again:
--- the settled turns (a user who reserved, a turn that ran out) and the late
--- joiners, as MySQL recorded them (the journal, the orders). The draw then
+-- Part of a room rebuilt after Redis lost it, before it is sealed and its draw
+-- is written: the joiners (early ones too, for a room lost before its draw),
+-- the settled turns (a user who reserved, a turn that ran out), as MySQL
+-- recorded them (the journal, the orders). The draw then
 -- leaves settled users out of the line, and the commit queues the late joiners
 -- behind the drawn again. Running this twice changes nothing.
 --
 -- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
 --       (see RoomKeys)
--- ARGV[1..] triples: user, `reserved` | `expired` | `late`, arrival number (late)
+-- ARGV[1..] triples: user, `early` | `late` | `reserved` | `expired`, arrival
+--           number (early and late)
 --
 -- Returns 0 when the draw was committed before (nothing written), 1 otherwise.
 if redis.call("HEXISTS", KEYS[7], "seed") == 1 then
@@ -15,7 +17,15 @@ end
 local last_seq = tonumber(redis.call("GET", KEYS[3]) or "0")
 for i = 1, #ARGV, 3 do
   local user, what = ARGV[i], ARGV[i + 1]
-  if what == "late" then
+  if what == "early" then
+    local seq = tonumber(ARGV[i + 2])
+    if not redis.call("ZSCORE", KEYS[1], user) and not redis.call("ZSCORE", KEYS[2], user) then
+      redis.call("ZADD", KEYS[1], seq, user)
+    end
+    if seq > last_seq then
+      last_seq = seq
+    end
+  elseif what == "late" then
     local seq = tonumber(ARGV[i + 2])
     -- The recorded arrival number wins over one given while the room was
     -- being rebuilt.
