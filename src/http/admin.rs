@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use super::{body, redis_down};
 use crate::activity::{is_valid_id, Activity, CreateError, NewActivity, Window};
 use crate::error::{AppError, AppResult};
+use crate::queue;
 use crate::reconcile::Rebuild;
 use crate::state::AppState;
 use crate::stock::PreloadMode;
@@ -92,8 +93,8 @@ pub struct Preloaded {
 )]
 /// `POST /admin/activities/{id}/preload`: (re)builds the Redis state from MySQL,
 /// as safely as the automatic rebuild (`Reconciler::rebuild`), after the same wait
-/// for publishes in flight (up to the publish timeout and half a second, for an
-/// activity loaded before). An activity that is not loaded is loaded whatever its
+/// for publishes in flight when Redis lost an activity loaded before (up to the
+/// publish timeout and half a second). An activity that is not loaded is loaded whatever its
 /// window; a loaded one is refused while it is open and not paused, since
 /// reservations keep arriving.
 pub async fn preload(
@@ -113,13 +114,22 @@ pub async fn preload(
             "the sale is open: pause it before preloading".into(),
         ));
     }
-    // Only an activity that was loaded before can have messages in the queue, or
-    // publishes still on their way to it: those are waited out first, as the
-    // automatic rebuild does.
-    let lag = if activity.redis_epoch > 0 {
-        state.reconciler.lag_once_published(&id).await
-    } else {
+    // Only an activity that was loaded before can have messages in the queue.
+    // If Redis lost it (whole or some shards), publishes still on their way are
+    // waited out first, as the automatic rebuild does: their reservations are
+    // gone with the state, and only MySQL will know them. Over a loaded (paused)
+    // state no wait is needed: the rebuild withdraws every reservation not yet
+    // acknowledged before it reads MySQL, so a late acknowledgement finds it
+    // withdrawn and its message makes no order.
+    let lag = if activity.redis_epoch == 0 {
         Some(0)
+    } else if loaded {
+        queue::consumer_lag(&state.settings.kafka)
+            .await
+            .map_err(|e| tracing::warn!(error = %e, "consumer lag unknown"))
+            .ok()
+    } else {
+        state.reconciler.lag_once_published(&id).await
     };
     let rebuilt = state
         .reconciler

@@ -425,7 +425,11 @@ impl Reconciler {
             self.activities
                 .record_build(&activity.id, build.epoch)
                 .await?;
-            self.return_late_lapses(activity, &build).await?;
+            // The build is written whatever happens here: a unit not returned
+            // now is missing from Redis, which the drift repair finds and adds.
+            if let Err(err) = self.return_late_lapses(activity, &build).await {
+                tracing::warn!(error = %err, activity_id = %activity.id, "could not return the lapses cancelled during the rebuild; left to the drift repair");
+            }
         }
         Ok(if built {
             Rebuild::Built(build)
