@@ -2,13 +2,19 @@
 //!
 //! One prober per process checks Redis, MySQL and the broker every
 //! [`PROBE_INTERVAL`] and keeps each answer with its time; `/readyz` reads these
-//! answers and never calls a dependency itself, so a flood of probes costs the
-//! database, the broker and Redis nothing (each `/readyz` used to run a statement
-//! on the pool that writes orders). Each dependency has its own loop: a check
-//! that hangs until its timeout leaves the others' answers fresh, and its own
-//! answer grows older than [`MAX_AGE`], which counts as not ready.
+//! answers, so a flood of probes costs the database, the broker and Redis
+//! nothing (each `/readyz` used to run a statement on the pool that writes
+//! orders). Each dependency has its own loop: a check that hangs until its
+//! timeout leaves the others' answers fresh.
+//!
+//! An answer older than [`MAX_AGE`] (a prober delayed on a busy runtime, in the
+//! middle of a flash sale's spike) is not reported as "not ready": the first
+//! `/readyz` to find it so checks that dependency once more, the others wait for
+//! that one check (one at a time per dependency), and all answer from it. Only
+//! a dependency whose check fails, or does not answer within [`CHECK_TIMEOUT`],
+//! makes the instance not ready; a busy instance is not pulled out of the load
+//! balancer for being busy.
 
-use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -86,6 +92,36 @@ pub struct Readiness {
     // A std mutex: held only to copy or replace one small value, never across an
     // await.
     last: Arc<[Mutex<Option<Answer>>; 3]>,
+    /// Held while a stale answer is checked again from `/readyz`.
+    refreshing: Arc<[tokio::sync::Mutex<()>; 3]>,
+    checks: Arc<std::sync::OnceLock<Checks>>,
+}
+
+/// What the prober checks each dependency with.
+struct Checks {
+    stock: StockStore,
+    pool: MySqlPool,
+    publisher: Publisher,
+}
+
+impl Checks {
+    async fn check(&self, dependency: Dependency) -> Result<(), String> {
+        let check = async {
+            match dependency {
+                Dependency::Redis => self.stock.ping().await.map_err(|e| e.to_string()),
+                Dependency::Mysql => sqlx::query("SELECT 1")
+                    .execute(&self.pool)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                Dependency::Kafka => self.publisher.check().await.map_err(|e| format!("{e:#}")),
+            }
+        };
+        match tokio::time::timeout(CHECK_TIMEOUT, check).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(format!("no answer within {CHECK_TIMEOUT:?}")),
+        }
+    }
 }
 
 impl Readiness {
@@ -104,6 +140,31 @@ impl Readiness {
         let changed = previous.as_ref().map(Result::is_ok) != Some(outcome.is_ok());
         *slot = Some(Answer { at, outcome });
         changed.then_some(previous)
+    }
+
+    /// `dependency`'s state now: the last answer, or, when it is older than
+    /// [`MAX_AGE`] and the prober runs, one more check shared by every caller
+    /// that finds it so.
+    pub async fn current(&self, dependency: Dependency) -> Status {
+        let status = self.status(dependency, Instant::now());
+        let Some(checks) = self.checks.get() else {
+            return status;
+        };
+        if status != Status::Unknown {
+            return status;
+        }
+        let _one_at_a_time = self.refreshing[dependency.index()].lock().await;
+        let status = self.status(dependency, Instant::now());
+        if status != Status::Unknown {
+            return status;
+        }
+        let outcome = checks.check(dependency).await;
+        log_change(
+            dependency,
+            outcome.as_ref().err().cloned(),
+            self.record(dependency, outcome, Instant::now()),
+        );
+        self.status(dependency, Instant::now())
     }
 
     /// `dependency`'s state as of `now`.
@@ -131,50 +192,48 @@ pub async fn run(
     publisher: Publisher,
     shutdown: CancellationToken,
 ) {
-    let redis = probe(&readiness, Dependency::Redis, &shutdown, || async {
-        stock.ping().await.map_err(|e| e.to_string())
+    let checks = readiness.checks.get_or_init(|| Checks {
+        stock,
+        pool,
+        publisher,
     });
-    let mysql = probe(&readiness, Dependency::Mysql, &shutdown, || async {
-        sqlx::query("SELECT 1")
-            .execute(&pool)
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+    let probes = Dependency::ALL.map(|dependency| {
+        let (readiness, shutdown) = (readiness.clone(), shutdown.clone());
+        async move {
+            periodic::every(PROBE_INTERVAL, shutdown, || async {
+                let outcome = checks.check(dependency).await;
+                let failure = outcome.as_ref().err().cloned();
+                log_change(
+                    dependency,
+                    failure,
+                    readiness.record(dependency, outcome, Instant::now()),
+                );
+            })
+            .await;
+        }
     });
-    let kafka = probe(&readiness, Dependency::Kafka, &shutdown, || async {
-        publisher.check().await.map_err(|e| format!("{e:#}"))
-    });
+    let [redis, mysql, kafka] = probes;
     tokio::join!(redis, mysql, kafka);
 }
 
-async fn probe<F, Fut>(
-    readiness: &Readiness,
+/// Logs a change of state once (`changed` is what [`Readiness::record`] returned).
+fn log_change(
     dependency: Dependency,
-    shutdown: &CancellationToken,
-    check: F,
-) where
-    F: Fn() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    periodic::every(PROBE_INTERVAL, shutdown.clone(), || async {
-        let outcome = match tokio::time::timeout(CHECK_TIMEOUT, check()).await {
-            Ok(outcome) => outcome,
-            Err(_) => Err(format!("no answer within {CHECK_TIMEOUT:?}")),
-        };
-        let failure = outcome.as_ref().err().cloned();
-        if let Some(previous) = readiness.record(dependency, outcome, Instant::now()) {
-            match failure {
-                Some(reason) => {
-                    tracing::warn!(dependency = dependency.name(), %reason, "not ready: a dependency does not answer")
-                }
-                None if previous.is_some() => {
-                    tracing::info!(dependency = dependency.name(), "a dependency answers again")
-                }
-                None => {}
-            }
+    failure: Option<String>,
+    changed: Option<Option<Result<(), String>>>,
+) {
+    let Some(previous) = changed else {
+        return;
+    };
+    match failure {
+        Some(reason) => {
+            tracing::warn!(dependency = dependency.name(), %reason, "not ready: a dependency does not answer")
         }
-    })
-    .await;
+        None if previous.is_some() => {
+            tracing::info!(dependency = dependency.name(), "a dependency answers again")
+        }
+        None => {}
+    }
 }
 
 #[cfg(test)]

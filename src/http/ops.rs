@@ -100,11 +100,10 @@ pub async fn readyz(
     if state.draining.is_cancelled() {
         return not_ready("draining: the process is stopping".into(), json!({}));
     }
-    let now = Instant::now();
     let mut missing = Vec::new();
     let mut checks = serde_json::Map::new();
     for dependency in Dependency::ALL {
-        let status = state.readiness.status(dependency, now);
+        let status = state.readiness.current(dependency).await;
         checks.insert(dependency.name().into(), json!(status.label()));
         if status != Status::Ok && !optional.contains(&dependency) {
             missing.push(format!("{} {}", dependency.name(), status.label()));

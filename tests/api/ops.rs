@@ -1,7 +1,6 @@
 //! Health, readiness, metrics, request ids.
 
 use reqwest::StatusCode;
-use serde_json::Value;
 
 use crate::helpers::spawn_app;
 
@@ -443,28 +442,12 @@ async fn a_flood_of_readiness_probes_costs_the_database_nothing() {
         sent <= 256 * prober_rounds,
         "{PROBES} probes in {elapsed:?} sent MySQL {sent} bytes"
     );
-    // Every probe got readiness's answer: `200`, or `503` when an answer of the
-    // prober was more than a second old by then. That happens here when the
-    // test process (this flood, run in a debug build beside the other tests)
-    // keeps the prober from its turn for a second, or the shared MariaDB is that
-    // slow while other tests migrate their databases.
-    let ready = statuses
-        .iter()
-        .filter(|(s, _)| *s == StatusCode::OK)
-        .count();
+    // Every probe is ready: an answer of the prober delayed on the busy
+    // runtime is checked once more (one check for the whole flood, within the
+    // allowance above), not reported as not ready.
     for (status, body) in &statuses {
-        let Some(body) = body else { continue };
-        let body: Value = serde_json::from_str(body).expect("a JSON answer");
-        assert_eq!(*status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
-        assert_eq!(body["code"], "unavailable", "{body}");
-        for dependency in ["redis", "mysql", "kafka"] {
-            assert!(
-                matches!(body["checks"][dependency].as_str(), Some("ok" | "unknown")),
-                "nothing was down: {body}"
-            );
-        }
+        assert_eq!(*status, StatusCode::OK, "{body:?}");
     }
-    assert!(ready > 0, "no probe was ready");
     // And once the flood is over, it is ready again.
     app.wait_ready().await;
     app.stop().await;
@@ -608,6 +591,8 @@ async fn the_development_secrets_are_refused_on_a_public_address() {
         "FLASHSALE__SERVER__ADDR",
         format!("0.0.0.0:{}", testkit::process::free_port()),
     );
+    // The refusal is the log's last lines, not a backtrace the environment asked for.
+    env.set("RUST_BACKTRACE", "0");
     let mut serve =
         testkit::process::flashsale(&["serve"], &env, dir.path().join("serve.log"), "serve");
     let exited = crate::helpers::eventually(
