@@ -163,11 +163,7 @@ pub async fn reserve(
             activity.per_user_limit
         )));
     }
-    // An operator's pause is answered here. An automatic one (Redis lost the
-    // sale, or holds an older build of it) is answered by Redis: missing keys
-    // or its paused state until the rebuild, and service again the moment the
-    // rebuild is written, not when this instance's cache next reads MySQL.
-    if activity.paused && !activity.auto_paused {
+    if activity.paused {
         return Err(count(AppError::Paused));
     }
     let waiting_room = activity.admission == Admission::WaitingRoom;

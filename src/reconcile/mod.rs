@@ -296,15 +296,6 @@ impl Reconciler {
                 metrics::counter!("flashsale_activity_auto_paused_total").increment(1);
             }
         }
-        if mode == PreloadMode::Force {
-            // What is left in Redis (an older build, or the shards not lost)
-            // stops selling at once, on every instance: the API answers an
-            // automatic pause from Redis, not from its cached copy of MySQL, so
-            // that a rebuilt sale serves again the moment it is written.
-            self.stock
-                .set_paused(&activity.id, activity.stock_shards, true)
-                .await?;
-        }
         let lag = if lag_measured.saturating_duration_since(since) >= in_flight {
             report.consumer_lag
         } else {
