@@ -16,6 +16,9 @@ use super::{Activity, ActivityRepo, Window};
 
 /// How long an ended activity stays visible (to answer `ended` rather than 404).
 const KEEP_ENDED: chrono::Duration = chrono::Duration::days(7);
+/// How often the cache is read again while a current activity is paused
+/// automatically (see `run_refresher`).
+pub const AUTO_PAUSED_REFRESH: Duration = Duration::from_millis(100);
 
 #[derive(Default)]
 struct Snapshot {
@@ -108,13 +111,28 @@ impl ActivityCache {
     }
 
     /// Refreshes every `interval` until cancelled; a failed refresh keeps the last
-    /// snapshot and is retried on the next tick.
+    /// snapshot and is retried on the next tick. While a current activity is
+    /// paused automatically (Redis lost it and it is being rebuilt), every
+    /// [`AUTO_PAUSED_REFRESH`]: the rebuild resumes it in MySQL, and every
+    /// instance serves again within that of the resume, not within `interval`.
     pub async fn run_refresher(self, interval: Duration, shutdown: CancellationToken) {
-        crate::periodic::every(interval, shutdown, || async {
+        loop {
             if let Err(err) = self.refresh().await {
                 tracing::warn!(error = %err, "activity cache refresh failed; keeping the last copy");
             }
-        })
-        .await;
+            let rebuilding = self
+                .current_activities(Utc::now())
+                .iter()
+                .any(|a| a.auto_paused);
+            let wait = if rebuilding {
+                AUTO_PAUSED_REFRESH.min(interval)
+            } else {
+                interval
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
     }
 }
