@@ -6,11 +6,11 @@
 --         then was lost with Redis), ARGV[3] starts_at (ms), ARGV[4] the place
 --         offset of late joiners (behind every drawn place)
 --
--- Returns {1, ticket} joined now, {0, ticket} joined before, {-1, ""} the room
--- is being rebuilt (try again shortly).
+-- Returns {1, ticket, "early" | "late"} joined now, {0, ticket, ""} joined
+-- before, {-1, "", ""} the room is being rebuilt (try again shortly).
 local seq = redis.call("ZSCORE", KEYS[1], ARGV[1]) or redis.call("ZSCORE", KEYS[2], ARGV[1])
 if seq then
-  return {0, seq}
+  return {0, seq, ""}
 end
 -- One clock for every instance: Redis's.
 local t = redis.call("TIME")
@@ -19,7 +19,7 @@ local sealed = redis.call("HEXISTS", KEYS[7], "sealed") == 1
 if not sealed and now >= tonumber(ARGV[2]) then
   -- Past the draw and nothing of it here: Redis lost the room. Joining now
   -- would hand out arrival numbers again from 1; wait for the rebuild.
-  return {-1, ""}
+  return {-1, "", ""}
 end
 seq = redis.call("INCR", KEYS[3])
 -- Early only while the draw has not read the joiners yet (`sealed`, set in the
@@ -28,6 +28,7 @@ seq = redis.call("INCR", KEYS[3])
 if now < tonumber(ARGV[3]) and not sealed then
   redis.call("ZADD", KEYS[1], seq, ARGV[1])
   redis.call("RPUSH", KEYS[8], "early\t" .. ARGV[1] .. "\t" .. seq)
+  return {1, tostring(seq), "early"}
 else
   -- Late: behind everyone drawn, in arrival order. Before the draw is
   -- committed, the commit puts them there. Journalled, so that a room rebuilt
@@ -38,4 +39,4 @@ else
     redis.call("ZADD", KEYS[4], tonumber(ARGV[4]) + seq, ARGV[1])
   end
 end
-return {1, tostring(seq)}
+return {1, tostring(seq), "late"}

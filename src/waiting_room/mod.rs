@@ -127,6 +127,7 @@ pub struct WaitingRoom {
     seal: Lua,
     restore: Lua,
     journal: Lua,
+    joins: JoinRecorder,
     unpaid: Mutex<HashMap<String, (Instant, i64)>>,
 }
 
@@ -136,6 +137,7 @@ fn ms(t: DateTime<Utc>) -> i64 {
 
 impl WaitingRoom {
     pub fn new(conn: RedisConn, pool: MySqlPool) -> Self {
+        let joins = JoinRecorder::start(pool.clone());
         WaitingRoom {
             conn,
             pool,
@@ -149,6 +151,7 @@ impl WaitingRoom {
             seal: Lua::new(include_str!("seal.lua")),
             restore: Lua::new(include_str!("restore.lua")),
             journal: Lua::new(include_str!("journal.lua")),
+            joins,
             unpaid: Mutex::default(),
         }
     }
@@ -169,7 +172,7 @@ impl WaitingRoom {
     pub async fn join(&self, a: &Activity, user: &str) -> RedisResult<Option<(String, bool)>> {
         let lost_after =
             a.starts_at + chrono::Duration::from_std(DRAW_GRACE * 2).unwrap_or_default();
-        let (new, seq): (i64, String) = self
+        let (new, seq, kind): (i64, String, String) = self
             .run(
                 a,
                 &self.join,
@@ -183,6 +186,11 @@ impl WaitingRoom {
             .await?;
         if new < 0 {
             return Ok(None);
+        }
+        if new == 1 {
+            if let Ok(seq) = seq.parse() {
+                self.joins.record(&a.id, user, &kind, seq).await;
+            }
         }
         Ok(Some((ticket(a, &seq), new == 1)))
     }
@@ -446,6 +454,79 @@ impl WaitingRoom {
             }
         }
         Ok(())
+    }
+}
+
+/// Joins recorded in MySQL before they are answered, in batches (a group
+/// commit: one insert for every join that arrived within [`JOIN_BATCH_WAIT`]),
+/// so that a `201` survives Redis losing the room right after it. A join whose
+/// record does not make it within [`JOIN_RECORD_TIMEOUT`] (MySQL down or slow)
+/// is answered all the same: its entry in the room's journal is copied later.
+#[derive(Clone)]
+struct JoinRecorder {
+    queue: tokio::sync::mpsc::Sender<PendingJoin>,
+}
+
+struct PendingJoin {
+    activity_id: String,
+    row: JournalRow,
+    done: tokio::sync::oneshot::Sender<()>,
+}
+
+const JOIN_BATCH_WAIT: Duration = Duration::from_millis(10);
+const JOIN_RECORD_TIMEOUT: Duration = Duration::from_secs(1);
+const JOIN_QUEUE: usize = 100_000;
+
+impl JoinRecorder {
+    fn start(pool: MySqlPool) -> Self {
+        let (queue, mut pending) = tokio::sync::mpsc::channel::<PendingJoin>(JOIN_QUEUE);
+        tokio::spawn(async move {
+            while let Some(first) = pending.recv().await {
+                let mut batch = vec![first];
+                let deadline = tokio::time::Instant::now() + JOIN_BATCH_WAIT;
+                while batch.len() < JOURNAL_BATCH {
+                    match tokio::time::timeout_at(deadline, pending.recv()).await {
+                        Ok(Some(join)) => batch.push(join),
+                        _ => break,
+                    }
+                }
+                let mut by_activity: HashMap<String, Vec<PendingJoin>> = HashMap::new();
+                for join in batch {
+                    by_activity
+                        .entry(join.activity_id.clone())
+                        .or_default()
+                        .push(join);
+                }
+                for (activity_id, joins) in by_activity {
+                    let rows: Vec<JournalRow> = joins.iter().map(|j| j.row.clone()).collect();
+                    match record_journal(&pool, &activity_id, &rows).await {
+                        Ok(()) => {
+                            for join in joins {
+                                let _ = join.done.send(());
+                            }
+                        }
+                        Err(err) => {
+                            tracing::warn!(%activity_id, error = %format!("{err:#}"), "recording joins failed; the journal copies them later");
+                        }
+                    }
+                }
+            }
+        });
+        JoinRecorder { queue }
+    }
+
+    /// Records a join and waits for it, at most [`JOIN_RECORD_TIMEOUT`].
+    async fn record(&self, activity_id: &str, user: &str, kind: &str, seq: u64) {
+        let (done, recorded) = tokio::sync::oneshot::channel();
+        let join = PendingJoin {
+            activity_id: activity_id.to_owned(),
+            row: (user.to_owned(), kind.to_owned(), seq),
+            done,
+        };
+        if self.queue.try_send(join).is_err() {
+            return;
+        }
+        let _ = tokio::time::timeout(JOIN_RECORD_TIMEOUT, recorded).await;
     }
 }
 
