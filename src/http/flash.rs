@@ -453,31 +453,18 @@ async fn reserve_and_publish(
     now: DateTime<Utc>,
 ) -> AppResult<Reserved> {
     let new_id = crate::stock::new_reservation_id(&user.id, activity.stock_shards);
-    // A user holding a waiting-room turn goes past the sold-out gate (see
-    // `reserve`).
-    let reserved = if activity.admission == Admission::WaitingRoom {
-        state
-            .stock
-            .reserve_past_gate(
-                &activity.id,
-                &user.id,
-                quantity,
-                &new_id,
-                now.timestamp_millis(),
-            )
-            .await
-    } else {
-        state
-            .stock
-            .reserve(
-                &activity.id,
-                &user.id,
-                quantity,
-                &new_id,
-                now.timestamp_millis(),
-            )
-            .await
-    };
+    // The sold-out gate was asked before this task was spawned (an open sale),
+    // or is passed by design (a user holding a waiting-room turn).
+    let reserved = state
+        .stock
+        .reserve_past_gate(
+            &activity.id,
+            &user.id,
+            quantity,
+            &new_id,
+            now.timestamp_millis(),
+        )
+        .await;
     let outcome = match reserved {
         Ok(outcome) => outcome,
         Err(err) => {

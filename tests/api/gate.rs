@@ -11,6 +11,18 @@ use serde_json::Value;
 
 use crate::helpers::{assert_error, eventually, spawn_app};
 
+/// Waits until this instance's sold-out gate is shut for the activity (it
+/// shuts once the buyers are read, in the background).
+async fn gate_shut(app: &crate::helpers::TestApp, activity_id: &str) {
+    eventually(Duration::from_secs(5), "the gate shut", || async {
+        app.state
+            .stock
+            .sold_out_from_memory(activity_id, "probe")
+            .then_some(())
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_sold_out_sale_is_answered_from_memory() {
     let app = spawn_app().await;
@@ -38,13 +50,7 @@ async fn a_sold_out_sale_is_answered_from_memory() {
     .await;
     assert_eq!(body["reservation_id"], reservation_id);
     // The gate shuts once this instance has read the buyers, in the background.
-    eventually(Duration::from_secs(5), "the gate shut", || async {
-        app.state
-            .stock
-            .sold_out_from_memory(&sale.id, "probe")
-            .then_some(())
-    })
-    .await;
+    gate_shut(&app, &sale.id).await;
     // Take the sale's stock away from Redis: a request that reached the reserve
     // script now would be answered 503 (not loaded). Every one is 409 sold_out.
     let keys = flashsale::stock::Keys::new(&sale.id);
@@ -115,13 +121,7 @@ async fn returned_units_are_sold_again_during_a_flood() {
         (refused.load(Ordering::Relaxed) > 200).then_some(())
     })
     .await;
-    eventually(Duration::from_secs(5), "the gate shut", || async {
-        app.state
-            .stock
-            .sold_out_from_memory(&sale.id, "probe")
-            .then_some(())
-    })
-    .await;
+    gate_shut(&app, &sale.id).await;
     // Another instance returns them: this one learns of it only through the
     // restock counts it rechecks.
     let other = flashsale::stock::StockStore::new(
@@ -183,13 +183,7 @@ async fn the_sell_out_is_discovered_once_per_instance() {
     for resp in flood {
         assert_eq!(resp.status(), StatusCode::CONFLICT);
     }
-    eventually(Duration::from_secs(5), "the gate shut", || async {
-        app.state
-            .stock
-            .sold_out_from_memory(&sale.id, "probe")
-            .then_some(())
-    })
-    .await;
+    gate_shut(&app, &sale.id).await;
     assert_eq!(
         app.state.stock.sold_out_gate_readings() - before,
         1,
