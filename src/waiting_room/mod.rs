@@ -577,8 +577,7 @@ async fn record_journal(
 async fn load_journal(pool: &MySqlPool, activity_id: &str) -> anyhow::Result<Vec<JournalRow>> {
     let mut rows: Vec<JournalRow> = sqlx::query_as(
         "SELECT user_id, CAST(kind AS CHAR), CAST(COALESCE(joined_seq, 0) AS UNSIGNED) \
-         FROM waiting_room_journal \
-         WHERE activity_id = ? AND kind IN ('early', 'late', 'expired')",
+         FROM waiting_room_journal WHERE activity_id = ?",
     )
     .bind(activity_id)
     .fetch_all(pool)
@@ -591,15 +590,18 @@ async fn load_journal(pool: &MySqlPool, activity_id: &str) -> anyhow::Result<Vec
     .fetch_all(pool)
     .await
     .context("reading the sale's buyers")?;
-    let journalled: Vec<String> = sqlx::query_scalar(
-        "SELECT user_id FROM waiting_room_journal WHERE activity_id = ? AND kind = 'reserved'",
-    )
-    .bind(activity_id)
-    .fetch_all(pool)
-    .await
-    .context("reading the waiting room's journal")?;
-    let buyers: std::collections::BTreeSet<String> = buyers.into_iter().chain(journalled).collect();
-    rows.extend(buyers.into_iter().map(|u| (u, "reserved".to_owned(), 0)));
+    // Buyers whose settled turn was not journalled (or not copied) yet.
+    let journalled: std::collections::HashSet<String> = rows
+        .iter()
+        .filter(|(_, kind, _)| kind == "reserved")
+        .map(|(user, _, _)| user.clone())
+        .collect();
+    rows.extend(
+        buyers
+            .into_iter()
+            .filter(|u| !journalled.contains(u))
+            .map(|u| (u, "reserved".to_owned(), 0)),
+    );
     Ok(rows)
 }
 
