@@ -24,9 +24,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::repo::{is_permanent, Decision, Incoming, NewRows, OrderRepo};
+use super::stall::{StallWatch, Verdict};
 use crate::activity::is_valid_id;
-use crate::config::Settings;
-use crate::queue::{Publisher, ReservationMessage};
+use crate::config::{KafkaSettings, Settings};
+use crate::queue::{group_offsets, Publisher, ReservationMessage};
 use crate::stock::{FateChange, RefundMode, RefundOutcome, StockStore};
 
 /// Messages this process's consumer sent to the dead-letter topic.
@@ -409,6 +410,12 @@ pub struct OrderConsumer {
     dead_letter_topic: String,
     batch_size: usize,
     batch_wait: Duration,
+    kafka: KafkaSettings,
+    /// How often an idle consumer looks at its group (see [`super::stall`]).
+    stall_check: Duration,
+    /// How long the group's backlog may stand still before an idle consumer
+    /// rejoins.
+    stall_patience: Duration,
 }
 
 impl OrderConsumer {
@@ -449,6 +456,9 @@ impl OrderConsumer {
             dead_letter_topic: settings.kafka.dead_letter_topic.clone(),
             batch_size: settings.consumer.batch_size,
             batch_wait: Duration::from_millis(settings.consumer.batch_wait_ms),
+            kafka: settings.kafka.clone(),
+            stall_check: Duration::from_millis(settings.consumer.heartbeat_interval_ms),
+            stall_patience: Duration::from_millis(settings.consumer.session_timeout_ms),
         })
     }
 
@@ -456,8 +466,9 @@ impl OrderConsumer {
     /// and retried.
     pub async fn run(self, shutdown: CancellationToken) {
         tracing::info!("order consumer started");
+        let mut stall = StallWatch::new(self.stall_patience);
         loop {
-            let Some(batch) = self.next_batch(&shutdown).await else {
+            let Some(batch) = self.next_batch(&mut stall, &shutdown).await else {
                 break;
             };
             if !self.handle(&batch, &shutdown).await {
@@ -467,10 +478,20 @@ impl OrderConsumer {
         tracing::info!("order consumer stopped");
     }
 
-    async fn next_batch(&self, shutdown: &CancellationToken) -> Option<Vec<OwnedMessage>> {
+    async fn next_batch(
+        &self,
+        stall: &mut StallWatch,
+        shutdown: &CancellationToken,
+    ) -> Option<Vec<OwnedMessage>> {
         let first = loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return None,
+                _ = tokio::time::sleep(self.stall_check) => {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return None,
+                        _ = self.watch_group(stall) => {}
+                    }
+                }
                 m = self.consumer.recv() => match m {
                     Ok(m) => break m.detach(),
                     Err(err) => {
@@ -496,6 +517,41 @@ impl OrderConsumer {
             }
         }
         Some(batch)
+    }
+
+    /// While no message comes: when this consumer holds no partition and the
+    /// group's backlog stands still, leaves the group and joins again.
+    async fn watch_group(&self, stall: &mut StallWatch) {
+        let held = match self.consumer.assignment() {
+            Ok(list) => list.count(),
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot read this consumer's assignment");
+                return;
+            }
+        };
+        if held > 0 {
+            stall.healthy();
+            return;
+        }
+        // The broker not answering says nothing about the group: look again later.
+        let offsets = match group_offsets(&self.kafka).await {
+            Ok(o) => o,
+            Err(err) => {
+                tracing::debug!(error = %err, "cannot read the group's offsets");
+                return;
+            }
+        };
+        if stall.idle(offsets.committed, offsets.lag, Instant::now()) == Verdict::Rejoin {
+            tracing::warn!(
+                lag = offsets.lag,
+                "this consumer holds no partition and nobody drains the backlog; rejoining the group"
+            );
+            metrics::counter!("flashsale_consumer_rejoins_total").increment(1);
+            self.consumer.unsubscribe();
+            if let Err(err) = self.consumer.subscribe(&[&self.kafka.topic]) {
+                tracing::error!(error = %err, "cannot subscribe again to the reservation topic");
+            }
+        }
     }
 
     /// Processes one batch and commits its offsets. Returns false when shut down

@@ -3,6 +3,7 @@
 
 pub mod consumer;
 mod repo;
+mod stall;
 pub mod sweeper;
 
 pub use consumer::{dead_letters_seen, OrderConsumer, OrderWriter};
