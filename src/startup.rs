@@ -22,9 +22,9 @@ use crate::activity::{ActivityCache, ActivityRepo};
 use crate::auth::Auth;
 use crate::config::{MysqlSettings, RedisSettings, Settings};
 use crate::http::{self, LiveFigures, RateLimiters};
+use crate::kafka::{self, Publisher};
 use crate::orders::{OrderConsumer, OrderRepo, OrderWriter, Sweeper};
 use crate::periodic;
-use crate::queue::{self, Publisher};
 use crate::readiness::{self, Readiness};
 use crate::reconcile::{Reconciler, Report};
 use crate::state::{AppState, Inner};
@@ -80,7 +80,7 @@ async fn create_topics(settings: &Settings) -> anyhow::Result<()> {
             settings.kafka.topic.as_str(),
             settings.kafka.dead_letter_topic.as_str(),
         ];
-        queue::ensure_topics(&settings.kafka, &topics)
+        kafka::ensure_topics(&settings.kafka, &topics)
             .await
             .context("failed to create the Kafka topics")?;
     }

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use super::{body, redis_down};
 use crate::activity::{is_valid_id, Activity, CreateError, NewActivity, Window};
 use crate::error::{AppError, AppResult};
-use crate::queue;
+use crate::kafka;
 use crate::reconcile::Rebuild;
 use crate::state::AppState;
 use crate::stock::PreloadMode;
@@ -124,7 +124,7 @@ pub async fn preload(
     let lag = if activity.redis_epoch == 0 {
         Some(0)
     } else if loaded {
-        queue::consumer_lag(&state.settings.kafka)
+        kafka::consumer_lag(&state.settings.kafka)
             .await
             .map_err(|e| tracing::warn!(error = %e, "consumer lag unknown"))
             .ok()

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use super::repo::{is_permanent, Decision, Incoming, NewRows, OrderRepo};
 use crate::activity::is_valid_id;
 use crate::config::Settings;
-use crate::queue::{Publisher, ReservationMessage};
+use crate::kafka::{Publisher, ReservationMessage};
 use crate::stock::{FateChange, RefundMode, RefundOutcome, StockStore};
 
 /// Messages this process's consumer sent to the dead-letter topic.

@@ -37,8 +37,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::activity::{Activity, ActivityCache, ActivityRepo, Window};
 use crate::config::KafkaSettings;
+use crate::kafka;
 use crate::orders::{Decision, Incoming, OrderRepo, OrderWriter};
-use crate::queue;
 use crate::stock::{Audit, Build, Fate, PreloadMode, RefundMode, RefundOutcome, StockStore};
 
 const EXPIRED_BATCH: usize = 500;
@@ -161,7 +161,7 @@ impl Reconciler {
             .copied()
             .unwrap_or_else(Instant::now);
         tokio::time::sleep_until((since + self.in_flight()).into()).await;
-        match queue::consumer_lag(&self.kafka).await {
+        match kafka::consumer_lag(&self.kafka).await {
             Ok(lag) => Some(lag),
             Err(err) => {
                 tracing::warn!(error = %err, "consumer lag unknown");
@@ -738,7 +738,7 @@ impl Reconciler {
     /// The consumer group's lag into `flashsale_consumer_lag_messages`; a broker
     /// that does not answer leaves the gauge as it was (and says so in the log).
     async fn measure_lag(&self) -> Option<i64> {
-        match queue::consumer_lag(&self.kafka).await {
+        match kafka::consumer_lag(&self.kafka).await {
             Ok(lag) => {
                 metrics::gauge!("flashsale_consumer_lag_messages").set(lag as f64);
                 Some(lag)
