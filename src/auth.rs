@@ -10,8 +10,8 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use subtle::ConstantTimeEq;
 
-use crate::activity::is_valid_id;
 use crate::error::AppError;
+use crate::input::is_valid_id;
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Claims {

@@ -10,6 +10,7 @@ pub mod auth;
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod input;
 pub mod kafka;
 pub mod orders;
 pub mod periodic;

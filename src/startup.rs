@@ -21,7 +21,7 @@ use tokio_util::task::TaskTracker;
 use crate::activity::{ActivityCache, ActivityRepo};
 use crate::auth::Auth;
 use crate::config::{MysqlSettings, RedisSettings, Settings};
-use crate::http::{self, LiveFigures, RateLimiters};
+use crate::http::{self, RateLimiters};
 use crate::kafka::{self, Publisher};
 use crate::orders::{OrderConsumer, OrderRepo, OrderWriter, Sweeper};
 use crate::periodic;
@@ -29,7 +29,7 @@ use crate::readiness::{self, Readiness};
 use crate::reconcile::{Reconciler, Report};
 use crate::state::{AppState, Inner};
 use crate::stock::{Family, RedisConn, StockStore};
-use crate::telemetry;
+use crate::telemetry::{self, LiveFigures};
 use crate::waiting_room::WaitingRoom;
 
 pub struct Application {
@@ -124,13 +124,19 @@ impl Application {
             None => None,
         };
         let limiters = RateLimiters::new(&settings.rate_limit);
-        let waiting_room = WaitingRoom::new(redis.clone(), pool.clone());
-        let stock = StockStore::new(redis).with_replica_barrier(
+        let stock = StockStore::new(redis.clone()).with_replica_barrier(
             replica_barrier(&settings.redis, &redis_family).await?,
             settings.redis.min_replicas_acked,
             Duration::from_millis(settings.redis.replica_ack_timeout_ms),
         );
         let orders = OrderRepo::new(pool.clone());
+        let waiting_room = Arc::new(WaitingRoom::new(
+            redis,
+            pool.clone(),
+            stock.clone(),
+            orders.clone(),
+            settings.waiting_room.clone(),
+        ));
         let reconciler = Reconciler {
             activities: activities.clone(),
             orders: orders.clone(),
@@ -220,7 +226,11 @@ impl Application {
         background.spawn(prune_rate_limiters(limiters.clone(), shutdown.clone()));
         background.spawn(metrics_upkeep(state.clone(), shutdown.clone()));
         background.spawn(state.stock.clone().run_sold_out_gate(shutdown.clone()));
-        background.spawn(crate::waiting_room::run(state.clone(), shutdown.clone()));
+        background.spawn(crate::waiting_room::run(
+            state.waiting_room.clone(),
+            state.cache.clone(),
+            shutdown.clone(),
+        ));
         spawn_workers(&state, &background, &shutdown)?;
 
         let app = http::router(state.clone(), &limiters);

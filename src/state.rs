@@ -12,12 +12,12 @@ use tokio_util::task::TaskTracker;
 use crate::activity::{ActivityCache, ActivityRepo};
 use crate::auth::Auth;
 use crate::config::Settings;
-use crate::http::LiveFigures;
 use crate::kafka::Publisher;
 use crate::orders::OrderRepo;
 use crate::readiness::Readiness;
 use crate::reconcile::Reconciler;
 use crate::stock::StockStore;
+use crate::telemetry::LiveFigures;
 use crate::waiting_room::WaitingRoom;
 
 #[derive(Clone)]
@@ -30,7 +30,7 @@ pub struct Inner {
     pub cache: ActivityCache,
     pub orders: OrderRepo,
     pub stock: StockStore,
-    pub waiting_room: WaitingRoom,
+    pub waiting_room: Arc<WaitingRoom>,
     pub publisher: Publisher,
     pub auth: Auth,
     pub reconciler: Reconciler,

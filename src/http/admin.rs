@@ -11,9 +11,10 @@ use chrono::Utc;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::{body, redis_down};
-use crate::activity::{is_valid_id, Activity, CreateError, NewActivity, Window};
-use crate::error::{AppError, AppResult};
+use super::body;
+use crate::activity::{Activity, CreateError, NewActivity, Window};
+use crate::error::{redis_down, AppError, AppResult};
+use crate::input::{is_valid_id, whole_number};
 use crate::kafka;
 use crate::reconcile::Rebuild;
 use crate::state::AppState;
@@ -27,11 +28,11 @@ use crate::stock::PreloadMode;
     request_body = NewActivity,
     responses(
         (status = 201, description = "The stored activity", body = Activity),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 409, description = "conflict: the id exists, or the SKU has an overlapping window", body = crate::http::openapi::ErrorBody),
-        (status = 413, description = "payload_too_large", body = crate::http::openapi::ErrorBody),
-        (status = 422, description = "invalid_request", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 409, description = "conflict: the id exists, or the SKU has an overlapping window", body = crate::error::ErrorBody),
+        (status = 413, description = "payload_too_large", body = crate::error::ErrorBody),
+        (status = 422, description = "invalid_request", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities`
@@ -85,10 +86,10 @@ pub struct Preloaded {
     params(("id" = String, Path, description = "The activity's id")),
     responses(
         (status = 200, description = "Redis rebuilt from MySQL", body = Preloaded),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 409, description = "conflict: loaded, open and not paused", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable: the consumers are draining the queue, or Redis or MySQL is unreachable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 409, description = "conflict: loaded, open and not paused", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable: the consumers are draining the queue, or Redis or MySQL is unreachable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities/{id}/preload`: (re)builds the Redis state from MySQL,
@@ -196,9 +197,9 @@ async fn set_paused(state: &AppState, id: &str, paused: bool) -> AppResult<Json<
     params(("id" = String, Path, description = "The activity's id")),
     responses(
         (status = 200, description = "The activity, paused", body = Activity),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities/{id}/pause`
@@ -217,9 +218,9 @@ pub async fn pause(
     params(("id" = String, Path, description = "The activity's id")),
     responses(
         (status = 200, description = "The activity, resumed", body = Activity),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities/{id}/resume`
@@ -238,9 +239,9 @@ pub async fn resume(
     params(("id" = String, Path, description = "The activity's id")),
     responses(
         (status = 200, description = "The activity with `live` (Redis's figures, the reconciler's last report) and `orders_by_status`", body = Object),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `GET /admin/activities/{id}`: the row plus live figures from Redis and MySQL.
@@ -259,8 +260,8 @@ const LIST_LIMIT: u32 = 100;
     security(("admin" = [])),
     responses(
         (status = 200, description = "The newest 100 activities, each as GET /admin/activities/{id} shows it", body = Vec<Object>),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `GET /admin/activities`: the newest activities first (at most 100), each as
@@ -347,7 +348,7 @@ async fn describe(state: &AppState, activity: &Activity) -> AppResult<Value> {
 /// `GET /admin/ui`: the operators' live-sale page. It holds no data: it asks for
 /// the admin token and then calls the admin API from the browser.
 pub async fn ui() -> impl axum::response::IntoResponse {
-    super::own_page(include_str!("ui.html"))
+    super::page::own_page(include_str!("ui.html"))
 }
 
 #[utoipa::path(
@@ -358,9 +359,9 @@ pub async fn ui() -> impl axum::response::IntoResponse {
     params(("id" = String, Path, description = "The activity's id")),
     responses(
         (status = 200, description = "What differed between Redis and MySQL, and what was done", body = crate::reconcile::Report),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities/{id}/reconcile`: one reconciler pass, and its report.
@@ -399,11 +400,11 @@ const MAX_TOP_UP: u64 = 1_000_000;
     request_body = TopUp,
     responses(
         (status = 200, description = "The activity with N more units, in MySQL and in Redis", body = Activity),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 413, description = "payload_too_large", body = crate::http::openapi::ErrorBody),
-        (status = 422, description = "invalid_request", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 413, description = "payload_too_large", body = crate::error::ErrorBody),
+        (status = 422, description = "invalid_request", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities/{id}/stock`: N more units, during a sale too. MySQL
@@ -418,7 +419,7 @@ pub async fn top_up(
 ) -> AppResult<Json<Activity>> {
     let bytes = body::read(raw, state.settings.server.body_limit_bytes)?;
     let body: TopUp = body::required_json(&bytes)?;
-    let units = body::whole_number(&body.add)
+    let units = whole_number(&body.add)
         .filter(|n| (1..=MAX_TOP_UP).contains(n))
         .and_then(|n| u32::try_from(n).ok())
         .ok_or_else(|| {

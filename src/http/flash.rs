@@ -10,10 +10,11 @@ use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::{body, redis_down};
-use crate::activity::{is_valid_sku, Activity, Admission, Window};
+use super::body;
+use crate::activity::{Activity, Admission, Window};
 use crate::auth::User;
-use crate::error::{AppError, AppResult};
+use crate::error::{redis_down, AppError, AppResult};
+use crate::input::{is_valid_sku, whole_number};
 use crate::kafka::ReservationMessage;
 use crate::orders::{Decision, Incoming, OrderStatus, OrderWriter};
 use crate::state::AppState;
@@ -48,7 +49,7 @@ pub struct SaleStatus {
     params(("sku" = String, Path, description = "The SKU on sale")),
     responses(
         (status = 200, description = "The sale's state and units left", body = SaleStatus),
-        (status = 404, description = "not_found: no sale for this SKU", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found: no sale for this SKU", body = crate::error::ErrorBody),
     )
 )]
 /// `GET /flash/{sku}`: public, answered from the cache and one Redis round trip.
@@ -115,7 +116,7 @@ fn parse_quantity(bytes: &[u8]) -> AppResult<u32> {
     };
     match body.quantity {
         None => Ok(1),
-        Some(v) => body::whole_number(&v)
+        Some(v) => whole_number(&v)
             .filter(|q| *q >= 1)
             .and_then(|q| u32::try_from(q).ok())
             .ok_or_else(|| AppError::invalid("quantity must be a positive integer")),
@@ -131,14 +132,14 @@ fn parse_quantity(bytes: &[u8]) -> AppResult<u32> {
     request_body(content = Option<ReserveBody>, description = "Optional; quantity defaults to 1"),
     responses(
         (status = 202, description = "Stock is held and the order is being created: it will be an order", body = Reserved),
-        (status = 401, description = "unauthorized: no valid user token", body = crate::http::openapi::ErrorBody),
-        (status = 403, description = "not_started or ended: outside the activity's window; not_admitted: the sale has a waiting room and this user holds no turn", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found: no sale for this SKU", body = crate::http::openapi::ErrorBody),
-        (status = 409, description = "already_reserved (with reservation_id) or sold_out", body = crate::http::openapi::ErrorBody),
-        (status = 413, description = "payload_too_large", body = crate::http::openapi::ErrorBody),
-        (status = 422, description = "invalid_request: a bad body or quantity", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "rate_limited, with Retry-After", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "paused or unavailable, with Retry-After: nothing is held", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized: no valid user token", body = crate::error::ErrorBody),
+        (status = 403, description = "not_started or ended: outside the activity's window; not_admitted: the sale has a waiting room and this user holds no turn", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found: no sale for this SKU", body = crate::error::ErrorBody),
+        (status = 409, description = "already_reserved (with reservation_id) or sold_out", body = crate::error::ErrorBody),
+        (status = 413, description = "payload_too_large", body = crate::error::ErrorBody),
+        (status = 422, description = "invalid_request: a bad body or quantity", body = crate::error::ErrorBody),
+        (status = 429, description = "rate_limited, with Retry-After", body = crate::error::ErrorBody),
+        (status = 503, description = "paused or unavailable, with Retry-After: nothing is held", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /flash/{sku}/reserve`: the hot path.
@@ -354,11 +355,11 @@ fn with_retry_after(
     responses(
         (status = 201, description = "Joined: waiting (with Retry-After)", body = QueuePlace),
         (status = 200, description = "Joined before: the same ticket, and the place now", body = QueuePlace),
-        (status = 401, description = "unauthorized: no valid user token", body = crate::http::openapi::ErrorBody),
-        (status = 403, description = "not_started: the room opens waiting_room_secs before the start; ended", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found: no sale for this SKU, or it has no waiting room", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "rate_limited, with Retry-After", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable, with Retry-After", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized: no valid user token", body = crate::error::ErrorBody),
+        (status = 403, description = "not_started: the room opens waiting_room_secs before the start; ended", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found: no sale for this SKU, or it has no waiting room", body = crate::error::ErrorBody),
+        (status = 429, description = "rate_limited, with Retry-After", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable, with Retry-After", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /flash/{sku}/queue`: joins the sale's waiting room, once.
@@ -409,10 +410,10 @@ pub async fn join_queue(
     params(("sku" = String, Path, description = "The SKU on sale")),
     responses(
         (status = 200, description = "The user's place: waiting (with Retry-After), admitted, sold_out or expired", body = QueuePlace),
-        (status = 401, description = "unauthorized: no valid user token", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found: no such sale or waiting room, or the user never joined", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "rate_limited, with Retry-After", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable, with Retry-After", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized: no valid user token", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found: no such sale or waiting room, or the user never joined", body = crate::error::ErrorBody),
+        (status = 429, description = "rate_limited, with Retry-After", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable, with Retry-After", body = crate::error::ErrorBody),
     )
 )]
 /// `GET /flash/{sku}/queue`: the user's place, in one Redis round trip.
@@ -659,10 +660,10 @@ pub struct ReservationView {
     params(("sku" = String, Path, description = "The SKU on sale")),
     responses(
         (status = 200, description = "The user's reservation: pending, ordered, paid, cancelled or failed", body = ReservationView),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found: no such sale, or the user holds no reservation", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "rate_limited", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found: no such sale, or the user holds no reservation", body = crate::error::ErrorBody),
+        (status = 429, description = "rate_limited", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `GET /flash/{sku}/reservation`: MySQL's order when there is one, else Redis's

@@ -24,8 +24,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::repo::{is_permanent, Decision, Incoming, NewRows, OrderRepo};
-use crate::activity::is_valid_id;
 use crate::config::Settings;
+use crate::input::is_valid_id;
 use crate::kafka::{Publisher, ReservationMessage};
 use crate::stock::{FateChange, RefundMode, RefundOutcome, StockStore};
 

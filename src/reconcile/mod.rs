@@ -35,11 +35,11 @@ use serde::Serialize;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::activity::{Activity, ActivityCache, ActivityRepo, Window};
+use crate::activity::{Activity, ActivityCache, ActivityRepo, Build, Window};
 use crate::config::KafkaSettings;
 use crate::kafka;
 use crate::orders::{Decision, Incoming, OrderRepo, OrderWriter};
-use crate::stock::{Audit, Build, Fate, PreloadMode, RefundMode, RefundOutcome, StockStore};
+use crate::stock::{Audit, Fate, PreloadMode, RefundMode, RefundOutcome, StockStore};
 
 const EXPIRED_BATCH: usize = 500;
 /// How soon a rebuild that waits for the consumers is tried again.

@@ -10,6 +10,10 @@ use anyhow::{bail, Context};
 use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
 
+mod trusted_proxies;
+
+pub use trusted_proxies::TrustedProxies;
+
 /// The development admin token shipped in `config/default.toml`.
 pub const DEV_ADMIN_TOKEN: &str = "dev-admin-token-change-me";
 /// The development user-token secret shipped in `config/default.toml`.
@@ -65,7 +69,7 @@ pub struct ServerSettings {
     /// Proxies whose `X-Forwarded-For` names the client (addresses or CIDRs; as
     /// an environment variable, a comma-separated list).
     #[serde(default)]
-    pub trusted_proxies: crate::http::TrustedProxies,
+    pub trusted_proxies: TrustedProxies,
     /// A second listener serving only `/metrics`, `/healthz` and `/readyz`
     /// (the main listener serves them too); none when absent.
     #[serde(default)]
@@ -396,7 +400,7 @@ mod tests {
         std::env::remove_var("FLASHSALE__SERVER__TRUSTED_PROXIES");
         assert_eq!(
             s.server.trusted_proxies,
-            crate::http::TrustedProxies::parse(&["10.0.0.0/8", "127.0.0.1"]).expect("parses")
+            TrustedProxies::parse(&["10.0.0.0/8", "127.0.0.1"]).expect("parses")
         );
     }
 
