@@ -12,13 +12,11 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::body;
-use crate::activity::{Activity, CreateError, NewActivity, Window};
+use crate::activity::{Activity, CreateError, NewActivity, TopUpError};
 use crate::error::{redis_down, AppError, AppResult};
 use crate::input::{is_valid_id, whole_number};
-use crate::kafka;
-use crate::reconcile::Rebuild;
 use crate::state::AppState;
-use crate::stock::PreloadMode;
+use crate::stocking::{Preload, PreloadError};
 
 #[utoipa::path(
     post,
@@ -103,55 +101,32 @@ pub async fn preload(
     Path(id): Path<String>,
 ) -> AppResult<Json<Preloaded>> {
     let activity = load(&state, &id).await?;
-    let live = state
-        .stock
-        .snapshot(&id, activity.stock_shards)
+    let preloaded = state
+        .stocking
+        .preload(&activity)
         .await
-        .map_err(redis_down)?;
-    let loaded = live.loaded();
-    let paused = activity.paused || live.state.as_deref() == Some("paused");
-    if loaded && activity.window(Utc::now()) == Window::Open && !paused {
-        return Err(AppError::Conflict(
-            "the sale is open: pause it before preloading".into(),
-        ));
-    }
-    // Only an activity that was loaded before can have messages in the queue.
-    // If Redis lost it (whole or some shards), publishes still on their way are
-    // waited out first, as the automatic rebuild does: their reservations are
-    // gone with the state, and only MySQL will know them. Over a loaded (paused)
-    // state no wait is needed: the rebuild withdraws every reservation not yet
-    // acknowledged before it reads MySQL, so a late acknowledgement finds it
-    // withdrawn and its message makes no order.
-    let lag = if activity.redis_epoch == 0 {
-        Some(0)
-    } else if loaded {
-        kafka::consumer_lag(&state.settings.kafka)
-            .await
-            .map_err(|e| tracing::warn!(error = %e, "consumer lag unknown"))
-            .ok()
-    } else {
-        state.reconciler.lag_once_published(&id).await
-    };
-    let rebuilt = state
-        .reconciler
-        .rebuild(&activity, PreloadMode::Force, lag)
-        .await
-        .map_err(reconcile_error)?;
-    let build = match rebuilt {
-        Rebuild::Built(build) => build,
-        Rebuild::Waiting(why) => {
-            tracing::warn!(activity_id = %id, %why, "preload deferred");
+        .map_err(|e| match e {
+            PreloadError::Redis(redis) => redis_down(redis),
+            PreloadError::Rebuild(e) => reconcile_error(e),
+        })?;
+    let build = match preloaded {
+        Preload::Built(build) => build,
+        Preload::Open => {
+            return Err(AppError::Conflict(
+                "the sale is open: pause it before preloading".into(),
+            ))
+        }
+        Preload::Draining(_) => {
             return Err(AppError::Unavailable(
                 "the order consumers are still draining the queue; retry shortly",
             ));
         }
-        Rebuild::AlreadyLoaded => {
+        Preload::Reopened => {
             return Err(AppError::Conflict(
                 "the sale reopened while it was being preloaded: pause it and retry".into(),
             ))
         }
     };
-    tracing::info!(activity_id = %id, stock = build.available, buyers = build.buyers.len(), epoch = build.epoch, "activity preloaded");
     refresh_cache(&state).await;
     Ok(Json(Preloaded {
         stock: build.available,
@@ -426,34 +401,15 @@ pub async fn top_up(
             AppError::invalid(format!("add must be an integer from 1 to {MAX_TOP_UP}"))
         })?;
     load(&state, &id).await?;
-    let (activity, key) = state
-        .activities
+    let activity = state
+        .stocking
         .top_up(&id, units)
         .await
         .map_err(|e| match e {
-            crate::activity::TopUpError::NotFound(_) => AppError::not_found("no such activity"),
-            crate::activity::TopUpError::TooMuch { .. } => AppError::invalid(e.to_string()),
-            crate::activity::TopUpError::Db(db) => AppError::from(db),
+            TopUpError::NotFound(_) => AppError::not_found("no such activity"),
+            TopUpError::TooMuch { .. } => AppError::invalid(e.to_string()),
+            TopUpError::Db(db) => AppError::from(db),
         })?;
-    match state
-        .stock
-        .top_up(&id, activity.stock_shards, &key, units)
-        .await
-    {
-        Ok(crate::stock::RefundOutcome::NotLoaded) => {
-            tracing::info!(activity_id = %id, units, "topped up in MySQL; the activity is not loaded");
-        }
-        Ok(_) => {
-            if let Err(err) = state.activities.topup_applied(&key).await {
-                tracing::warn!(error = %err, activity_id = %id, "top-up not marked applied; the reconciler will");
-            }
-        }
-        Err(err) => {
-            tracing::warn!(error = %err, activity_id = %id, units, "top-up not yet in Redis; the reconciler adds it");
-            state.reconcile_now.notify_one();
-        }
-    }
-    tracing::info!(activity_id = %id, units, stock = activity.stock, "activity topped up");
     refresh_cache(&state).await;
     Ok(Json(activity))
 }

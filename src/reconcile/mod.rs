@@ -131,6 +131,25 @@ pub struct Reconciler {
 }
 
 impl Reconciler {
+    pub fn new(
+        activities: ActivityRepo,
+        orders: OrderRepo,
+        stock: StockStore,
+        kafka: KafkaSettings,
+        pending_deadline: Duration,
+    ) -> Self {
+        Reconciler {
+            activities,
+            orders,
+            stock,
+            kafka,
+            pending_deadline,
+            last: Arc::default(),
+            lost_since: Arc::default(),
+            first_pass: Arc::default(),
+        }
+    }
+
     /// The activity is in Redis again: a later loss waits from its own start.
     fn found(&self, activity_id: &str) {
         self.lost_since
@@ -492,10 +511,7 @@ impl Reconciler {
         before_ms: i64,
         report: &mut Report,
     ) -> anyhow::Result<()> {
-        let writer = OrderWriter {
-            repo: self.orders.clone(),
-            stock: self.stock.clone(),
-        };
+        let writer = OrderWriter::new(self.orders.clone(), self.stock.clone());
         let mut oldest_seen: Option<String> = None;
         loop {
             let expired = self
