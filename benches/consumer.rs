@@ -18,8 +18,8 @@ use anyhow::Context;
 use chrono::Utc;
 use flashsale::activity::{ActivityRepo, NewActivity};
 use flashsale::config::Settings;
+use flashsale::kafka::{self, Publisher, ReservationMessage};
 use flashsale::orders::{Incoming, OrderConsumer, OrderRepo, OrderWriter};
-use flashsale::queue::{self, Publisher, ReservationMessage};
 use flashsale::startup;
 use flashsale::stock::{RedisConn, StockStore};
 use secrecy::{ExposeSecret, SecretString};
@@ -141,7 +141,7 @@ async fn end_to_end_run(base: &Settings, batch: usize, n: usize) -> anyhow::Resu
     let mut env = environment(base, "e").await?;
     env.settings.consumer.batch_size = batch;
     env.settings.consumer.batch_wait_ms = 5;
-    queue::ensure_topics(
+    kafka::ensure_topics(
         &env.settings.kafka,
         &[
             &env.settings.kafka.topic,

@@ -10,8 +10,9 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use subtle::ConstantTimeEq;
 
-use crate::activity::is_valid_id;
+use crate::config::AuthSettings;
 use crate::error::AppError;
+use crate::input::is_valid_id;
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Claims {
@@ -48,11 +49,19 @@ struct Verified {
 
 type VerifiedUser = (Arc<str>, i64);
 
-/// Tokens kept verified by default: a flood's users, each clicking again.
-pub const VERIFIED_TOKENS: usize = 100_000;
-
 impl Auth {
+    /// The service's tokens as configured, keeping `auth.verified_tokens`
+    /// verified tokens.
+    pub fn from_settings(settings: &AuthSettings) -> anyhow::Result<Self> {
+        Ok(
+            Self::new(settings.admin_token.clone(), &settings.user_token_secret)?
+                .with_verified_tokens(settings.verified_tokens),
+        )
+    }
+
     /// Fails only on an empty secret (config validation already refuses one).
+    /// Keeps no verified token until `with_verified_tokens` says how many: the
+    /// service's number is a setting (`auth.verified_tokens`).
     pub fn new(
         admin_token: SecretString,
         user_token_secret: &SecretString,
@@ -69,7 +78,7 @@ impl Auth {
             decoding: DecodingKey::from_secret(secret).context("invalid user token secret")?,
             validation,
             verified: Arc::new(Verified {
-                capacity: VERIFIED_TOKENS,
+                capacity: 0,
                 tokens: Mutex::default(),
             }),
         })
@@ -200,6 +209,7 @@ mod tests {
             &SecretString::from("user-secret-0123456789"),
         )
         .expect("auth")
+        .with_verified_tokens(100)
     }
 
     fn headers(v: &str) -> HeaderMap {

@@ -122,9 +122,29 @@ impl From<sqlx::Error> for AppError {
     }
 }
 
+/// Redis could not be reached: `503`, logged, nothing held.
+pub fn redis_down(err: redis::RedisError) -> AppError {
+    tracing::warn!(error = %err, "redis call failed");
+    AppError::Unavailable("stock store unreachable")
+}
+
+/// Every error answer: `{"code", "message"}`, and for `already_reserved` the
+/// existing `reservation_id`. The OpenAPI document's name for the shape that
+/// [`AppError`] answers with (see `Wire`, which writes it).
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// A fixed snake_case code (API.md).
+    pub code: String,
+    /// Human text.
+    pub message: String,
+    /// `already_reserved` only: the reservation the user holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reservation_id: Option<String>,
+}
+
 /// The documented error shape, serialized as is: no map is built per answer.
 #[derive(serde::Serialize)]
-struct ErrorBody<'a> {
+struct Wire<'a> {
     code: &'static str,
     message: std::borrow::Cow<'a, str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -143,7 +163,7 @@ impl IntoResponse for AppError {
             }
             other => other.to_string().into(),
         };
-        let mut body = ErrorBody {
+        let mut body = Wire {
             code: self.code(),
             message,
             reservation_id: None,

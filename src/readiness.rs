@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use sqlx::MySqlPool;
 use tokio_util::sync::CancellationToken;
 
+use crate::kafka::Publisher;
 use crate::periodic;
-use crate::queue::Publisher;
 use crate::stock::StockStore;
 
 /// How often each dependency is checked.

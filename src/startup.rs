@@ -20,16 +20,18 @@ use tokio_util::task::TaskTracker;
 
 use crate::activity::{ActivityCache, ActivityRepo};
 use crate::auth::Auth;
-use crate::config::{MysqlSettings, RedisSettings, Settings};
-use crate::http::{self, LiveFigures, RateLimiters};
+use crate::config::{MysqlSettings, RedisSettings, ServerSettings, Settings};
+use crate::http::{self, RateLimiters};
+use crate::kafka::{self, Publisher};
 use crate::orders::{OrderConsumer, OrderRepo, OrderWriter, Sweeper};
 use crate::periodic;
-use crate::queue::{self, Publisher};
 use crate::readiness::{self, Readiness};
 use crate::reconcile::{Reconciler, Report};
+use crate::reservation::Reservations;
 use crate::state::{AppState, Inner};
 use crate::stock::{Family, RedisConn, StockStore};
-use crate::telemetry;
+use crate::stocking::Stocking;
+use crate::telemetry::{self, LiveFigures};
 use crate::waiting_room::WaitingRoom;
 
 pub struct Application {
@@ -80,79 +82,163 @@ async fn create_topics(settings: &Settings) -> anyhow::Result<()> {
             settings.kafka.topic.as_str(),
             settings.kafka.dead_letter_topic.as_str(),
         ];
-        queue::ensure_topics(&settings.kafka, &topics)
+        kafka::ensure_topics(&settings.kafka, &topics)
             .await
             .context("failed to create the Kafka topics")?;
     }
     Ok(())
 }
 
-impl Application {
-    pub async fn build(settings: Settings) -> anyhow::Result<Self> {
-        let metrics = telemetry::metrics_handle()?;
+/// The parts over MySQL and Redis that every role uses, each built once from the
+/// settings and connected to the others here, and nowhere else: `serve`,
+/// `consume` and `reconcile` all start from it.
+pub struct Services {
+    pub pool: MySqlPool,
+    /// The shared Redis connection (the stock store and the waiting room use it).
+    pub redis: RedisConn,
+    pub stock: StockStore,
+    pub activities: ActivityRepo,
+    pub orders: OrderRepo,
+    /// The one decision step, over `orders` and `stock`.
+    pub writer: OrderWriter,
+    pub reconciler: Reconciler,
+}
+
+impl Services {
+    /// MySQL, Redis and the parts over them.
+    pub async fn connect(settings: &Settings) -> anyhow::Result<Self> {
+        Self::connect_with(settings, false).await
+    }
+
+    /// The same, and the replica barrier the reservation path waits on (see
+    /// `StockStore::replicated`): only a process that answers reservations needs it.
+    pub async fn connect_serving(settings: &Settings) -> anyhow::Result<Self> {
+        Self::connect_with(settings, true).await
+    }
+
+    async fn connect_with(settings: &Settings, barrier: bool) -> anyhow::Result<Self> {
         let pool = connect_mysql(&settings.mysql).await?;
         // The shared connection and the replica barrier's follow failovers together.
-        let redis_family = Family::default();
-        let redis = RedisConn::connect_in(&settings.redis, &redis_family).await?;
-        let publisher = Publisher::new(&settings.kafka)?;
-        create_topics(&settings).await?;
+        let family = Family::default();
+        let redis = RedisConn::connect_in(&settings.redis, &family).await?;
+        let mut stock = StockStore::new(redis.clone());
+        if barrier {
+            stock = stock.with_replica_barrier(
+                replica_barrier(&settings.redis, &family).await?,
+                settings.redis.min_replicas_acked,
+                Duration::from_millis(settings.redis.replica_ack_timeout_ms),
+            );
+        }
         let activities = ActivityRepo::new(pool.clone());
-        let cache = ActivityCache::new(activities.clone());
+        let orders = OrderRepo::new(pool.clone());
+        let writer = OrderWriter::new(orders.clone(), stock.clone());
+        let reconciler = Reconciler::new(
+            activities.clone(),
+            orders.clone(),
+            stock.clone(),
+            settings.kafka.clone(),
+            Duration::from_secs(settings.reconcile.pending_deadline_secs),
+        );
+        Ok(Services {
+            pool,
+            redis,
+            stock,
+            activities,
+            orders,
+            writer,
+            reconciler,
+        })
+    }
+
+    /// The activity cache over the repository, loaded once.
+    async fn loaded_cache(&self) -> anyhow::Result<ActivityCache> {
+        let cache = ActivityCache::new(self.activities.clone());
         cache
             .refresh()
             .await
             .context("failed to load the activities")?;
-        let auth = Auth::new(
-            settings.auth.admin_token.clone(),
-            &settings.auth.user_token_secret,
-        )?
-        .with_verified_tokens(settings.auth.verified_tokens);
-        let listener = TcpListener::bind(&settings.server.addr)
-            .await
-            .with_context(|| format!("failed to bind {}", settings.server.addr))?;
+        Ok(cache)
+    }
+}
+
+/// The API's listener and, when `server.ops_addr` is set, the operations one.
+async fn bind_listeners(
+    settings: &ServerSettings,
+) -> anyhow::Result<(TcpListener, Option<TcpListener>)> {
+    let listener = TcpListener::bind(&settings.addr)
+        .await
+        .with_context(|| format!("failed to bind {}", settings.addr))?;
+    let ops_listener = match &settings.ops_addr {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("failed to bind server.ops_addr {addr}"))?,
+        ),
+        None => None,
+    };
+    Ok((listener, ops_listener))
+}
+
+impl Application {
+    pub async fn build(settings: Settings) -> anyhow::Result<Self> {
+        let metrics = telemetry::metrics_handle()?;
+        let services = Services::connect_serving(&settings).await?;
+        let publisher = Publisher::new(&settings.kafka)?;
+        create_topics(&settings).await?;
+        let cache = services.loaded_cache().await?;
+        let auth = Auth::from_settings(&settings.auth)?;
+        let (listener, ops_listener) = bind_listeners(&settings.server).await?;
         let port = listener.local_addr().context("no local address")?.port();
-        let ops_listener = match &settings.server.ops_addr {
-            Some(addr) => Some(
-                TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("failed to bind server.ops_addr {addr}"))?,
-            ),
-            None => None,
-        };
         let ops_port = match &ops_listener {
             Some(l) => Some(l.local_addr().context("no local address")?.port()),
             None => None,
         };
         let limiters = RateLimiters::new(&settings.rate_limit);
-        let waiting_room = WaitingRoom::new(redis.clone(), pool.clone());
-        let stock = StockStore::new(redis).with_replica_barrier(
-            replica_barrier(&settings.redis, &redis_family).await?,
-            settings.redis.min_replicas_acked,
-            Duration::from_millis(settings.redis.replica_ack_timeout_ms),
+        let Services {
+            pool,
+            redis,
+            stock,
+            activities,
+            orders,
+            writer,
+            reconciler,
+        } = services;
+        let waiting_room = Arc::new(WaitingRoom::new(
+            redis,
+            pool.clone(),
+            stock.clone(),
+            orders.clone(),
+            settings.waiting_room.clone(),
+        ));
+        let reconcile_now = Arc::new(Notify::new());
+        let reservations = Reservations::new(
+            stock.clone(),
+            publisher.clone(),
+            writer.clone(),
+            reconcile_now.clone(),
         );
-        let orders = OrderRepo::new(pool.clone());
-        let reconciler = Reconciler {
-            activities: activities.clone(),
-            orders: orders.clone(),
-            stock: stock.clone(),
-            kafka: settings.kafka.clone(),
-            pending_deadline: Duration::from_secs(settings.reconcile.pending_deadline_secs),
-            last: Arc::default(),
-            lost_since: Arc::default(),
-            first_pass: Arc::default(),
-        };
+        let stocking = Stocking::new(
+            activities.clone(),
+            stock.clone(),
+            reconciler.clone(),
+            settings.kafka.clone(),
+            reconcile_now.clone(),
+        );
         let state = AppState::new(Inner {
             settings,
-            pool: pool.clone(),
+            pool,
             activities,
             cache,
             orders,
             stock,
             waiting_room,
+            reservations,
+            writer,
+            stocking,
             publisher,
             auth,
             reconciler,
-            reconcile_now: Arc::new(Notify::new()),
+            reconcile_now,
             metrics,
             critical: TaskTracker::new(),
             draining: CancellationToken::new(),
@@ -206,58 +292,15 @@ impl Application {
             ..
         } = self;
         let background = TaskTracker::new();
-        background.spawn(state.cache.clone().run_refresher(
-            Duration::from_millis(state.settings.activities.refresh_interval_ms.max(100)),
-            shutdown.clone(),
-        ));
-        background.spawn(readiness::run(
-            state.readiness.clone(),
-            state.stock.clone(),
-            state.pool.clone(),
-            state.publisher.clone(),
-            shutdown.clone(),
-        ));
-        background.spawn(prune_rate_limiters(limiters.clone(), shutdown.clone()));
-        background.spawn(metrics_upkeep(state.clone(), shutdown.clone()));
-        background.spawn(state.stock.clone().run_sold_out_gate(shutdown.clone()));
-        background.spawn(crate::waiting_room::run(state.clone(), shutdown.clone()));
+        spawn_upkeep(&state, &limiters, &background, &shutdown);
         spawn_workers(&state, &background, &shutdown)?;
 
         let app = http::router(state.clone(), &limiters);
         tracing::info!(addr = %listener.local_addr()?, "serving");
         if let Some(ops_listener) = ops_listener {
-            tracing::info!(addr = %ops_listener.local_addr()?, "serving health, readiness and metrics");
-            let ops = http::ops_router(state.clone());
-            let stop = shutdown.clone();
-            background.spawn(async move {
-                let served = axum::serve(
-                    ops_listener,
-                    ops.into_make_service_with_connect_info::<SocketAddr>(),
-                )
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await;
-                if let Err(err) = served {
-                    tracing::error!(error = %err, "the operations listener failed");
-                }
-            });
+            spawn_ops_listener(ops_listener, &state, &background, &shutdown)?;
         }
-        // Draining: not ready first, then, after the delay, the server stops.
-        let drain_delay = Duration::from_secs(state.settings.server.drain_delay_secs);
-        background.spawn({
-            let (draining, shutdown) = (state.draining.clone(), shutdown.clone());
-            async move {
-                tokio::select! {
-                    _ = draining.cancelled() => {
-                        tracing::info!(?drain_delay, "draining: not ready; stopping after the delay");
-                        tokio::select! {
-                            _ = tokio::time::sleep(drain_delay) => shutdown.cancel(),
-                            _ = shutdown.cancelled() => {}
-                        }
-                    }
-                    _ = shutdown.cancelled() => {}
-                }
-            }
-        });
+        spawn_drain(&state, &background, &shutdown);
         let grace = Duration::from_secs(state.settings.server.shutdown_grace_secs);
         let stop = shutdown.clone();
         let server = axum::serve(
@@ -298,6 +341,79 @@ impl Application {
     }
 }
 
+/// The background work every serving instance runs: the activity cache's
+/// refresh, the readiness prober, the rate limiters' and metrics' upkeep, the
+/// sold-out gate and the waiting rooms.
+fn spawn_upkeep(
+    state: &AppState,
+    limiters: &RateLimiters,
+    background: &TaskTracker,
+    shutdown: &CancellationToken,
+) {
+    background.spawn(state.cache.clone().run_refresher(
+        Duration::from_millis(state.settings.activities.refresh_interval_ms.max(100)),
+        shutdown.clone(),
+    ));
+    background.spawn(readiness::run(
+        state.readiness.clone(),
+        state.stock.clone(),
+        state.pool.clone(),
+        state.publisher.clone(),
+        shutdown.clone(),
+    ));
+    background.spawn(prune_rate_limiters(limiters.clone(), shutdown.clone()));
+    background.spawn(metrics_upkeep(state.clone(), shutdown.clone()));
+    background.spawn(state.stock.clone().run_sold_out_gate(shutdown.clone()));
+    background.spawn(crate::waiting_room::run(
+        state.waiting_room.clone(),
+        state.cache.clone(),
+        shutdown.clone(),
+    ));
+}
+
+/// Serves `server.ops_addr`'s listener until `shutdown`.
+fn spawn_ops_listener(
+    ops_listener: TcpListener,
+    state: &AppState,
+    background: &TaskTracker,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<()> {
+    tracing::info!(addr = %ops_listener.local_addr()?, "serving health, readiness and metrics");
+    let ops = http::ops_router(state.clone());
+    let stop = shutdown.clone();
+    background.spawn(async move {
+        let served = axum::serve(
+            ops_listener,
+            ops.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(stop.cancelled_owned())
+        .await;
+        if let Err(err) = served {
+            tracing::error!(error = %err, "the operations listener failed");
+        }
+    });
+    Ok(())
+}
+
+/// Draining: not ready first, then, after `server.drain_delay_secs`, the server
+/// stops.
+fn spawn_drain(state: &AppState, background: &TaskTracker, shutdown: &CancellationToken) {
+    let drain_delay = Duration::from_secs(state.settings.server.drain_delay_secs);
+    let (draining, shutdown) = (state.draining.clone(), shutdown.clone());
+    background.spawn(async move {
+        tokio::select! {
+            _ = draining.cancelled() => {
+                tracing::info!(?drain_delay, "draining: not ready; stopping after the delay");
+                tokio::select! {
+                    _ = tokio::time::sleep(drain_delay) => shutdown.cancel(),
+                    _ = shutdown.cancelled() => {}
+                }
+            }
+            _ = shutdown.cancelled() => {}
+        }
+    });
+}
+
 /// The order consumer and the sweeper, each switchable in the configuration, so
 /// one binary scales by role.
 fn spawn_workers(
@@ -307,11 +423,7 @@ fn spawn_workers(
 ) -> anyhow::Result<()> {
     let settings = &state.settings;
     if settings.consumer.enabled {
-        let writer = OrderWriter {
-            repo: state.orders.clone(),
-            stock: state.stock.clone(),
-        };
-        let consumer = OrderConsumer::new(settings, writer, state.publisher.clone())?;
+        let consumer = OrderConsumer::new(settings, state.writer.clone(), state.publisher.clone())?;
         tracker.spawn(consumer.run(shutdown.clone()));
     }
     if settings.reconcile.enabled {
@@ -338,20 +450,15 @@ fn spawn_workers(
 /// `flashsale consume`: the order consumer alone, without the HTTP API.
 pub async fn run_consumer(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
     let ops = serve_consumer_ops(&settings.consumer.metrics_addr, shutdown.clone()).await?;
-    let pool = connect_mysql(&settings.mysql).await?;
-    let redis = RedisConn::connect(&settings.redis).await?;
+    let services = Services::connect(&settings).await?;
     let publisher = Publisher::new(&settings.kafka)?;
     create_topics(&settings).await?;
-    let writer = OrderWriter {
-        repo: OrderRepo::new(pool.clone()),
-        stock: StockStore::new(redis),
-    };
-    let consumer = OrderConsumer::new(&settings, writer, publisher.clone())?;
+    let consumer = OrderConsumer::new(&settings, services.writer, publisher.clone())?;
     consumer.run(shutdown).await;
     tokio::task::spawn_blocking(move || publisher.flush(Duration::from_secs(5)))
         .await
         .context("producer flush task failed")?;
-    pool.close().await;
+    services.pool.close().await;
     ops.await.context("the metrics server task failed")??;
     Ok(())
 }
@@ -413,34 +520,19 @@ pub async fn reconcile_once(
     settings: &Settings,
     activity: Option<&str>,
 ) -> anyhow::Result<Vec<Report>> {
-    let pool = connect_mysql(&settings.mysql).await?;
-    let redis = RedisConn::connect(&settings.redis).await?;
-    let activities = ActivityRepo::new(pool.clone());
-    let reconciler = Reconciler {
-        activities: activities.clone(),
-        orders: OrderRepo::new(pool.clone()),
-        stock: StockStore::new(redis),
-        kafka: settings.kafka.clone(),
-        pending_deadline: Duration::from_secs(settings.reconcile.pending_deadline_secs),
-        last: Arc::default(),
-        lost_since: Arc::default(),
-        first_pass: Arc::default(),
-    };
+    let services = Services::connect(settings).await?;
+    let reconciler = &services.reconciler;
     let mut reports = Vec::new();
     match activity {
         Some(id) => reports.push(reconciler.reconcile(id).await?),
         None => {
-            let cache = ActivityCache::new(activities);
-            cache
-                .refresh()
-                .await
-                .context("failed to load the activities")?;
+            let cache = services.loaded_cache().await?;
             for a in cache.current_activities(chrono::Utc::now()) {
                 reports.push(reconciler.reconcile_activity(&a).await?);
             }
         }
     }
-    pool.close().await;
+    services.pool.close().await;
     Ok(reports)
 }
 

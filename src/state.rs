@@ -12,12 +12,14 @@ use tokio_util::task::TaskTracker;
 use crate::activity::{ActivityCache, ActivityRepo};
 use crate::auth::Auth;
 use crate::config::Settings;
-use crate::http::LiveFigures;
-use crate::orders::OrderRepo;
-use crate::queue::Publisher;
+use crate::kafka::Publisher;
+use crate::orders::{OrderRepo, OrderWriter};
 use crate::readiness::Readiness;
 use crate::reconcile::Reconciler;
+use crate::reservation::Reservations;
 use crate::stock::StockStore;
+use crate::stocking::Stocking;
+use crate::telemetry::LiveFigures;
 use crate::waiting_room::WaitingRoom;
 
 #[derive(Clone)]
@@ -30,7 +32,13 @@ pub struct Inner {
     pub cache: ActivityCache,
     pub orders: OrderRepo,
     pub stock: StockStore,
-    pub waiting_room: WaitingRoom,
+    pub waiting_room: Arc<WaitingRoom>,
+    /// The reservation protocol (Redis, Kafka, MySQL), for the reserve handler.
+    pub reservations: Reservations,
+    /// The one decision step, for the order consumer.
+    pub writer: OrderWriter,
+    /// The operators' preload and top-up.
+    pub stocking: Stocking,
     pub publisher: Publisher,
     pub auth: Auth,
     pub reconciler: Reconciler,

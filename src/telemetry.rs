@@ -1,6 +1,7 @@
 //! Logging (tracing) and metrics (Prometheus) set-up, each installed once per process.
 
 use std::sync::Mutex;
+use std::time::Instant;
 
 use anyhow::Context;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -27,6 +28,31 @@ pub fn init_tracing(settings: &LogSettings) {
     };
     // Err only means a subscriber is already installed, which is fine.
     let _ = result;
+}
+
+/// When `/metrics` last read the activities' figures from Redis. Scrapes queue
+/// on the lock, so a flood of them makes one read, not one each.
+pub struct LiveFigures {
+    /// The last read; `/metrics` holds the lock while it reads.
+    pub read_at: tokio::sync::Mutex<Option<Instant>>,
+    /// When this instance started.
+    pub started: Instant,
+}
+
+impl LiveFigures {
+    /// Figures of an instance starting now.
+    pub fn new() -> Self {
+        LiveFigures {
+            read_at: tokio::sync::Mutex::new(None),
+            started: Instant::now(),
+        }
+    }
+}
+
+impl Default for LiveFigures {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 static PROMETHEUS: Mutex<Option<PrometheusHandle>> = Mutex::new(None);

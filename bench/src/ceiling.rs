@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use flashsale::config::KafkaSettings;
-use flashsale::queue::{self, Publisher, ReservationMessage};
+use flashsale::kafka::{self, Publisher, ReservationMessage};
 use flashsale::stock::Keys;
 use serde::{Deserialize, Serialize};
 use tokio::process::Command;
@@ -58,7 +58,7 @@ pub async fn broker_publish(
     let mut kafka = kafka.clone();
     let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
     kafka.topic = format!("flash.bench.ceiling.{id}");
-    queue::ensure_topics(&kafka, &[kafka.topic.as_str()])
+    kafka::ensure_topics(&kafka, &[kafka.topic.as_str()])
         .await
         .context("failed to create the ceiling's topic")?;
     let publisher = Publisher::new(&kafka)?;

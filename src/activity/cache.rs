@@ -12,7 +12,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
 
-use super::{Activity, ActivityRepo, Window};
+use super::definition::{Activity, Window};
+use super::repo::ActivityRepo;
 
 /// How long an ended activity stays visible (to answer `ended` rather than 404).
 const KEEP_ENDED: chrono::Duration = chrono::Duration::days(7);
@@ -98,7 +99,7 @@ impl ActivityCache {
             .by_id
             .values()
             .filter(|a| {
-                a.admission == super::Admission::WaitingRoom
+                a.admission == super::definition::Admission::WaitingRoom
                     && a.joins_from() <= now
                     && a.ends_at + chrono::Duration::hours(1) > now
             })

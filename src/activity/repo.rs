@@ -3,8 +3,7 @@
 use chrono::{DateTime, Utc};
 use sqlx::MySqlPool;
 
-use super::{Activity, ValidActivity};
-use crate::stock::Build;
+use super::definition::{Activity, Build, ValidActivity};
 
 // Times are bound as DATETIME (`naive_utc`), the columns' type: bound as a
 // TIMESTAMP, MariaDB turns anything past 2038-01-19 into NULL.
@@ -211,9 +210,9 @@ impl ActivityRepo {
         let Some((stock,)) = row else {
             return Err(TopUpError::NotFound(id.to_owned()));
         };
-        if stock + i64::from(units) > super::MAX_STOCK {
+        if stock + i64::from(units) > super::definition::MAX_STOCK {
             return Err(TopUpError::TooMuch {
-                max: super::MAX_STOCK,
+                max: super::definition::MAX_STOCK,
             });
         }
         sqlx::query(

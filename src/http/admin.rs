@@ -11,13 +11,12 @@ use chrono::Utc;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::{body, redis_down};
-use crate::activity::{is_valid_id, Activity, CreateError, NewActivity, Window};
-use crate::error::{AppError, AppResult};
-use crate::queue;
-use crate::reconcile::Rebuild;
+use super::body;
+use crate::activity::{Activity, CreateError, NewActivity, TopUpError};
+use crate::error::{redis_down, AppError, AppResult};
+use crate::input::{is_valid_id, whole_number};
 use crate::state::AppState;
-use crate::stock::PreloadMode;
+use crate::stocking::{Preload, PreloadError};
 
 #[utoipa::path(
     post,
@@ -27,11 +26,11 @@ use crate::stock::PreloadMode;
     request_body = NewActivity,
     responses(
         (status = 201, description = "The stored activity", body = Activity),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 409, description = "conflict: the id exists, or the SKU has an overlapping window", body = crate::http::openapi::ErrorBody),
-        (status = 413, description = "payload_too_large", body = crate::http::openapi::ErrorBody),
-        (status = 422, description = "invalid_request", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 409, description = "conflict: the id exists, or the SKU has an overlapping window", body = crate::error::ErrorBody),
+        (status = 413, description = "payload_too_large", body = crate::error::ErrorBody),
+        (status = 422, description = "invalid_request", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities`
@@ -85,10 +84,10 @@ pub struct Preloaded {
     params(("id" = String, Path, description = "The activity's id")),
     responses(
         (status = 200, description = "Redis rebuilt from MySQL", body = Preloaded),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 409, description = "conflict: loaded, open and not paused", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable: the consumers are draining the queue, or Redis or MySQL is unreachable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 409, description = "conflict: loaded, open and not paused", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable: the consumers are draining the queue, or Redis or MySQL is unreachable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities/{id}/preload`: (re)builds the Redis state from MySQL,
@@ -102,55 +101,32 @@ pub async fn preload(
     Path(id): Path<String>,
 ) -> AppResult<Json<Preloaded>> {
     let activity = load(&state, &id).await?;
-    let live = state
-        .stock
-        .snapshot(&id, activity.stock_shards)
+    let preloaded = state
+        .stocking
+        .preload(&activity)
         .await
-        .map_err(redis_down)?;
-    let loaded = live.loaded();
-    let paused = activity.paused || live.state.as_deref() == Some("paused");
-    if loaded && activity.window(Utc::now()) == Window::Open && !paused {
-        return Err(AppError::Conflict(
-            "the sale is open: pause it before preloading".into(),
-        ));
-    }
-    // Only an activity that was loaded before can have messages in the queue.
-    // If Redis lost it (whole or some shards), publishes still on their way are
-    // waited out first, as the automatic rebuild does: their reservations are
-    // gone with the state, and only MySQL will know them. Over a loaded (paused)
-    // state no wait is needed: the rebuild withdraws every reservation not yet
-    // acknowledged before it reads MySQL, so a late acknowledgement finds it
-    // withdrawn and its message makes no order.
-    let lag = if activity.redis_epoch == 0 {
-        Some(0)
-    } else if loaded {
-        queue::consumer_lag(&state.settings.kafka)
-            .await
-            .map_err(|e| tracing::warn!(error = %e, "consumer lag unknown"))
-            .ok()
-    } else {
-        state.reconciler.lag_once_published(&id).await
-    };
-    let rebuilt = state
-        .reconciler
-        .rebuild(&activity, PreloadMode::Force, lag)
-        .await
-        .map_err(reconcile_error)?;
-    let build = match rebuilt {
-        Rebuild::Built(build) => build,
-        Rebuild::Waiting(why) => {
-            tracing::warn!(activity_id = %id, %why, "preload deferred");
+        .map_err(|e| match e {
+            PreloadError::Redis(redis) => redis_down(redis),
+            PreloadError::Rebuild(e) => reconcile_error(e),
+        })?;
+    let build = match preloaded {
+        Preload::Built(build) => build,
+        Preload::Open => {
+            return Err(AppError::Conflict(
+                "the sale is open: pause it before preloading".into(),
+            ))
+        }
+        Preload::Draining(_) => {
             return Err(AppError::Unavailable(
                 "the order consumers are still draining the queue; retry shortly",
             ));
         }
-        Rebuild::AlreadyLoaded => {
+        Preload::Reopened => {
             return Err(AppError::Conflict(
                 "the sale reopened while it was being preloaded: pause it and retry".into(),
             ))
         }
     };
-    tracing::info!(activity_id = %id, stock = build.available, buyers = build.buyers.len(), epoch = build.epoch, "activity preloaded");
     refresh_cache(&state).await;
     Ok(Json(Preloaded {
         stock: build.available,
@@ -196,9 +172,9 @@ async fn set_paused(state: &AppState, id: &str, paused: bool) -> AppResult<Json<
     params(("id" = String, Path, description = "The activity's id")),
     responses(
         (status = 200, description = "The activity, paused", body = Activity),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities/{id}/pause`
@@ -217,9 +193,9 @@ pub async fn pause(
     params(("id" = String, Path, description = "The activity's id")),
     responses(
         (status = 200, description = "The activity, resumed", body = Activity),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities/{id}/resume`
@@ -238,9 +214,9 @@ pub async fn resume(
     params(("id" = String, Path, description = "The activity's id")),
     responses(
         (status = 200, description = "The activity with `live` (Redis's figures, the reconciler's last report) and `orders_by_status`", body = Object),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `GET /admin/activities/{id}`: the row plus live figures from Redis and MySQL.
@@ -259,8 +235,8 @@ const LIST_LIMIT: u32 = 100;
     security(("admin" = [])),
     responses(
         (status = 200, description = "The newest 100 activities, each as GET /admin/activities/{id} shows it", body = Vec<Object>),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `GET /admin/activities`: the newest activities first (at most 100), each as
@@ -347,7 +323,7 @@ async fn describe(state: &AppState, activity: &Activity) -> AppResult<Value> {
 /// `GET /admin/ui`: the operators' live-sale page. It holds no data: it asks for
 /// the admin token and then calls the admin API from the browser.
 pub async fn ui() -> impl axum::response::IntoResponse {
-    super::own_page(include_str!("ui.html"))
+    super::page::own_page(include_str!("ui.html"))
 }
 
 #[utoipa::path(
@@ -358,9 +334,9 @@ pub async fn ui() -> impl axum::response::IntoResponse {
     params(("id" = String, Path, description = "The activity's id")),
     responses(
         (status = 200, description = "What differed between Redis and MySQL, and what was done", body = crate::reconcile::Report),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities/{id}/reconcile`: one reconciler pass, and its report.
@@ -399,11 +375,11 @@ const MAX_TOP_UP: u64 = 1_000_000;
     request_body = TopUp,
     responses(
         (status = 200, description = "The activity with N more units, in MySQL and in Redis", body = Activity),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found", body = crate::http::openapi::ErrorBody),
-        (status = 413, description = "payload_too_large", body = crate::http::openapi::ErrorBody),
-        (status = 422, description = "invalid_request", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found", body = crate::error::ErrorBody),
+        (status = 413, description = "payload_too_large", body = crate::error::ErrorBody),
+        (status = 422, description = "invalid_request", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities/{id}/stock`: N more units, during a sale too. MySQL
@@ -418,41 +394,22 @@ pub async fn top_up(
 ) -> AppResult<Json<Activity>> {
     let bytes = body::read(raw, state.settings.server.body_limit_bytes)?;
     let body: TopUp = body::required_json(&bytes)?;
-    let units = body::whole_number(&body.add)
+    let units = whole_number(&body.add)
         .filter(|n| (1..=MAX_TOP_UP).contains(n))
         .and_then(|n| u32::try_from(n).ok())
         .ok_or_else(|| {
             AppError::invalid(format!("add must be an integer from 1 to {MAX_TOP_UP}"))
         })?;
     load(&state, &id).await?;
-    let (activity, key) = state
-        .activities
+    let activity = state
+        .stocking
         .top_up(&id, units)
         .await
         .map_err(|e| match e {
-            crate::activity::TopUpError::NotFound(_) => AppError::not_found("no such activity"),
-            crate::activity::TopUpError::TooMuch { .. } => AppError::invalid(e.to_string()),
-            crate::activity::TopUpError::Db(db) => AppError::from(db),
+            TopUpError::NotFound(_) => AppError::not_found("no such activity"),
+            TopUpError::TooMuch { .. } => AppError::invalid(e.to_string()),
+            TopUpError::Db(db) => AppError::from(db),
         })?;
-    match state
-        .stock
-        .top_up(&id, activity.stock_shards, &key, units)
-        .await
-    {
-        Ok(crate::stock::RefundOutcome::NotLoaded) => {
-            tracing::info!(activity_id = %id, units, "topped up in MySQL; the activity is not loaded");
-        }
-        Ok(_) => {
-            if let Err(err) = state.activities.topup_applied(&key).await {
-                tracing::warn!(error = %err, activity_id = %id, "top-up not marked applied; the reconciler will");
-            }
-        }
-        Err(err) => {
-            tracing::warn!(error = %err, activity_id = %id, units, "top-up not yet in Redis; the reconciler adds it");
-            state.reconcile_now.notify_one();
-        }
-    }
-    tracing::info!(activity_id = %id, units, stock = activity.stock, "activity topped up");
     refresh_cache(&state).await;
     Ok(Json(activity))
 }

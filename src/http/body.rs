@@ -29,28 +29,6 @@ pub fn json<T: DeserializeOwned>(bytes: &[u8]) -> Result<Option<T>, AppError> {
         .map_err(|e| AppError::invalid(format!("invalid JSON body: {e}")))
 }
 
-/// A whole number as JSON Schema counts them: `5` and `5.0` alike.
-pub fn whole_number(v: &serde_json::Value) -> Option<u64> {
-    v.as_u64().or_else(|| {
-        v.as_f64()
-            .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f <= 9_007_199_254_740_992.0)
-            .map(|f| f as u64)
-    })
-}
-
-/// Serde: an `i64` field that also takes whole numbers written as `5.0`.
-pub fn whole_i64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
-    use serde::Deserialize;
-    let v = serde_json::Value::deserialize(d)?;
-    v.as_i64()
-        .or_else(|| {
-            v.as_f64()
-                .filter(|f| f.fract() == 0.0 && f.abs() <= 9_007_199_254_740_992.0)
-                .map(|f| f as i64)
-        })
-        .ok_or_else(|| serde::de::Error::custom(format!("expected a whole number, got {v}")))
-}
-
 /// Parses a JSON body that must be present.
 pub fn required_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, AppError> {
     json(bytes)?.ok_or_else(|| AppError::invalid("a JSON body is required"))

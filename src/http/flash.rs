@@ -10,14 +10,14 @@ use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
-use super::{body, redis_down};
-use crate::activity::{is_valid_sku, Activity, Admission, Window};
+use super::body;
+use crate::activity::{Activity, Admission, Window};
 use crate::auth::User;
-use crate::error::{AppError, AppResult};
-use crate::orders::{Decision, Incoming, OrderStatus, OrderWriter};
-use crate::queue::ReservationMessage;
+use crate::error::{redis_down, AppError, AppResult};
+use crate::input::{is_valid_sku, whole_number};
+use crate::orders::OrderStatus;
+use crate::reservation::Outcome;
 use crate::state::AppState;
-use crate::stock::{FateChange, RefundMode, ReserveOutcome};
 use crate::waiting_room::{Place, Turn};
 
 fn activity_for(state: &AppState, sku: &str, now: DateTime<Utc>) -> AppResult<Arc<Activity>> {
@@ -48,7 +48,7 @@ pub struct SaleStatus {
     params(("sku" = String, Path, description = "The SKU on sale")),
     responses(
         (status = 200, description = "The sale's state and units left", body = SaleStatus),
-        (status = 404, description = "not_found: no sale for this SKU", body = crate::http::openapi::ErrorBody),
+        (status = 404, description = "not_found: no sale for this SKU", body = crate::error::ErrorBody),
     )
 )]
 /// `GET /flash/{sku}`: public, answered from the cache and one Redis round trip.
@@ -115,7 +115,7 @@ fn parse_quantity(bytes: &[u8]) -> AppResult<u32> {
     };
     match body.quantity {
         None => Ok(1),
-        Some(v) => body::whole_number(&v)
+        Some(v) => whole_number(&v)
             .filter(|q| *q >= 1)
             .and_then(|q| u32::try_from(q).ok())
             .ok_or_else(|| AppError::invalid("quantity must be a positive integer")),
@@ -131,14 +131,14 @@ fn parse_quantity(bytes: &[u8]) -> AppResult<u32> {
     request_body(content = Option<ReserveBody>, description = "Optional; quantity defaults to 1"),
     responses(
         (status = 202, description = "Stock is held and the order is being created: it will be an order", body = Reserved),
-        (status = 401, description = "unauthorized: no valid user token", body = crate::http::openapi::ErrorBody),
-        (status = 403, description = "not_started or ended: outside the activity's window; not_admitted: the sale has a waiting room and this user holds no turn", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found: no sale for this SKU", body = crate::http::openapi::ErrorBody),
-        (status = 409, description = "already_reserved (with reservation_id) or sold_out", body = crate::http::openapi::ErrorBody),
-        (status = 413, description = "payload_too_large", body = crate::http::openapi::ErrorBody),
-        (status = 422, description = "invalid_request: a bad body or quantity", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "rate_limited, with Retry-After", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "paused or unavailable, with Retry-After: nothing is held", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized: no valid user token", body = crate::error::ErrorBody),
+        (status = 403, description = "not_started or ended: outside the activity's window; not_admitted: the sale has a waiting room and this user holds no turn", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found: no sale for this SKU", body = crate::error::ErrorBody),
+        (status = 409, description = "already_reserved (with reservation_id) or sold_out", body = crate::error::ErrorBody),
+        (status = 413, description = "payload_too_large", body = crate::error::ErrorBody),
+        (status = 422, description = "invalid_request: a bad body or quantity", body = crate::error::ErrorBody),
+        (status = 429, description = "rate_limited, with Retry-After", body = crate::error::ErrorBody),
+        (status = 503, description = "paused or unavailable, with Retry-After: nothing is held", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /flash/{sku}/reserve`: the hot path.
@@ -192,21 +192,41 @@ pub async fn reserve(
     // waits for these tasks.
     let task_state = state.clone();
     let handle = state.critical.spawn(async move {
-        let result = reserve_and_publish(&task_state, &activity, &user, quantity, now).await;
+        let outcome = task_state
+            .reservations
+            .reserve(&activity, &user.id, quantity, now)
+            .await;
         if waiting_room {
-            settle_turn(&task_state, &activity, &user, &result).await;
+            settle_turn(&task_state, &activity, &user, &outcome).await;
         }
-        result
+        (outcome, activity)
     });
-    let result = handle
+    let (outcome, activity) = handle
         .await
         .map_err(|e| AppError::Internal(anyhow::Error::new(e).context("reserve task failed")))?;
-    match result {
-        Ok(reserved) => {
-            metrics::counter!("flashsale_reservations_total", "outcome" => "reserved").increment(1);
-            Ok((StatusCode::ACCEPTED, Json(reserved)))
+    let reservation_id = accepted(outcome).map_err(count)?;
+    metrics::counter!("flashsale_reservations_total", "outcome" => "reserved").increment(1);
+    let reserved = Reserved {
+        reservation_id,
+        activity_id: activity.id.clone(),
+        sku: activity.sku.clone(),
+        quantity,
+        status: "pending",
+    };
+    Ok((StatusCode::ACCEPTED, Json(reserved)))
+}
+
+/// A reservation's outcome as the API answers it: the id of a `202`, or the
+/// refusal.
+fn accepted(outcome: Outcome) -> AppResult<String> {
+    match outcome {
+        Outcome::Reserved { reservation_id } => Ok(reservation_id),
+        Outcome::AlreadyReserved { reservation_id } => {
+            Err(AppError::AlreadyReserved { reservation_id })
         }
-        Err(err) => Err(count(err)),
+        Outcome::SoldOut => Err(AppError::SoldOut),
+        Outcome::Paused => Err(AppError::Paused),
+        Outcome::Unavailable(why) => Err(AppError::Unavailable(why)),
     }
 }
 
@@ -217,13 +237,8 @@ pub async fn reserve(
 /// that failed (Redis or the broker unreachable, the reservation withdrawn),
 /// and `already_reserved`, whose reservation may still be in flight on another
 /// request and be withdrawn (the request that gets its `202` settles the turn).
-async fn settle_turn(
-    state: &AppState,
-    activity: &Activity,
-    user: &User,
-    result: &AppResult<Reserved>,
-) {
-    if result.is_err() {
+async fn settle_turn(state: &AppState, activity: &Activity, user: &User, outcome: &Outcome) {
+    if !matches!(outcome, Outcome::Reserved { .. }) {
         return;
     }
     if let Err(err) = state.waiting_room.settle(activity, &user.id).await {
@@ -354,11 +369,11 @@ fn with_retry_after(
     responses(
         (status = 201, description = "Joined: waiting (with Retry-After)", body = QueuePlace),
         (status = 200, description = "Joined before: the same ticket, and the place now", body = QueuePlace),
-        (status = 401, description = "unauthorized: no valid user token", body = crate::http::openapi::ErrorBody),
-        (status = 403, description = "not_started: the room opens waiting_room_secs before the start; ended", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found: no sale for this SKU, or it has no waiting room", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "rate_limited, with Retry-After", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable, with Retry-After", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized: no valid user token", body = crate::error::ErrorBody),
+        (status = 403, description = "not_started: the room opens waiting_room_secs before the start; ended", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found: no sale for this SKU, or it has no waiting room", body = crate::error::ErrorBody),
+        (status = 429, description = "rate_limited, with Retry-After", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable, with Retry-After", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /flash/{sku}/queue`: joins the sale's waiting room, once.
@@ -409,10 +424,10 @@ pub async fn join_queue(
     params(("sku" = String, Path, description = "The SKU on sale")),
     responses(
         (status = 200, description = "The user's place: waiting (with Retry-After), admitted, sold_out or expired", body = QueuePlace),
-        (status = 401, description = "unauthorized: no valid user token", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found: no such sale or waiting room, or the user never joined", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "rate_limited, with Retry-After", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable, with Retry-After", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized: no valid user token", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found: no such sale or waiting room, or the user never joined", body = crate::error::ErrorBody),
+        (status = 429, description = "rate_limited, with Retry-After", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable, with Retry-After", body = crate::error::ErrorBody),
     )
 )]
 /// `GET /flash/{sku}/queue`: the user's place, in one Redis round trip.
@@ -445,202 +460,6 @@ fn count(err: AppError) -> AppError {
     err
 }
 
-async fn reserve_and_publish(
-    state: &AppState,
-    activity: &Activity,
-    user: &User,
-    quantity: u32,
-    now: DateTime<Utc>,
-) -> AppResult<Reserved> {
-    let new_id = crate::stock::new_reservation_id(&user.id, activity.stock_shards);
-    // The sold-out gate was asked before this task was spawned (an open sale),
-    // or is passed by design (a user holding a waiting-room turn).
-    let reserved = state
-        .stock
-        .reserve_past_gate(
-            &activity.id,
-            &user.id,
-            quantity,
-            &new_id,
-            now.timestamp_millis(),
-        )
-        .await;
-    let outcome = match reserved {
-        Ok(outcome) => outcome,
-        Err(err) => {
-            tracing::warn!(error = %err, activity_id = %activity.id, "reserve script failed");
-            // The script may have run with its answer lost; returning the units of a
-            // reservation that does not exist is a no-op, so try once.
-            let lost = Incoming {
-                reservation_id: new_id,
-                activity_id: activity.id.clone(),
-                user_id: user.id.to_string(),
-                quantity,
-            };
-            undo(state, &lost).await;
-            return Err(AppError::Unavailable("stock store unreachable"));
-        }
-    };
-    let reservation_id = match outcome {
-        ReserveOutcome::Reserved { reservation_id } => reservation_id,
-        // The client sent the script again after a lost answer (a failover) and
-        // the first run had reserved: the reservation is this request's own.
-        ReserveOutcome::AlreadyReserved { reservation_id } if reservation_id == new_id => {
-            reservation_id
-        }
-        ReserveOutcome::AlreadyReserved { reservation_id } => {
-            return Err(AppError::AlreadyReserved { reservation_id })
-        }
-        ReserveOutcome::SoldOut => return Err(AppError::SoldOut),
-        ReserveOutcome::Paused => return Err(AppError::Paused),
-        ReserveOutcome::NotLoaded => {
-            tracing::warn!(activity_id = %activity.id, "activity is not loaded in Redis");
-            state.reconcile_now.notify_one();
-            return Err(AppError::Unavailable("the sale is not loaded"));
-        }
-    };
-    let reserved = Reserved {
-        reservation_id: reservation_id.clone(),
-        activity_id: activity.id.clone(),
-        sku: activity.sku.clone(),
-        quantity,
-        status: "pending",
-    };
-    let incoming = Incoming {
-        reservation_id: reservation_id.clone(),
-        activity_id: activity.id.clone(),
-        user_id: user.id.to_string(),
-        quantity,
-    };
-    // Replicas first hold the reservation itself: until it is published,
-    // withdrawing it is a Redis matter alone, and the client holds nothing.
-    if let Err(err) = replicated(state, &incoming).await {
-        undo(state, &incoming).await;
-        return Err(err);
-    }
-    let message = ReservationMessage {
-        reservation_id: reservation_id.clone(),
-        activity_id: activity.id.clone(),
-        sku: activity.sku.clone(),
-        user_id: user.id.to_string(),
-        quantity,
-        reserved_at: now,
-    };
-    match state.publisher.publish(&message).await {
-        Ok(()) => {}
-        Err(err) if err.never_sent() => {
-            tracing::error!(error = %err, %reservation_id, "publish failed before sending; returning the units");
-            metrics::counter!("flashsale_kafka_publish_failures_total", "sent" => "no")
-                .increment(1);
-            undo(state, &incoming).await;
-            return Err(AppError::Unavailable("order queue unreachable"));
-        }
-        Err(err) => {
-            // The message may still land: let MySQL decide, once, between its order
-            // and its withdrawal.
-            tracing::error!(error = %err, %reservation_id, "publish outcome unknown; withdrawing the reservation");
-            metrics::counter!("flashsale_kafka_publish_failures_total", "sent" => "unknown")
-                .increment(1);
-            return withdraw(state, incoming, reserved).await;
-        }
-    }
-    // The message is in the queue. The 202 is a promise, so first make it one in
-    // Redis: once acknowledged, nobody may withdraw the reservation any more.
-    match state
-        .stock
-        .set_fate(&activity.id, &reservation_id, true)
-        .await
-    {
-        Ok(FateChange::Done) => {
-            replicated(state, &incoming).await?;
-            Ok(reserved)
-        }
-        Ok(change) => {
-            // The reconciler withdrew it (a publish slower than the pending
-            // deadline), or Redis lost it. Its message may make it an order; MySQL
-            // says which.
-            tracing::warn!(?change, %reservation_id, "reservation no longer acknowledgeable; asking MySQL");
-            withdraw(state, incoming, reserved).await
-        }
-        Err(err) => {
-            tracing::warn!(error = %err, %reservation_id, "could not acknowledge the reservation; withdrawing it");
-            withdraw(state, incoming, reserved).await
-        }
-    }
-}
-
-/// With replicas configured (`redis.min_replicas_acked`), a reservation waits until
-/// they hold it twice: before its message is published (a failure then withdraws
-/// it, in Redis alone), and once acknowledged, before the `202` (so a failover to
-/// a replica cannot forget the promise). If they fail at that second point, which
-/// takes a replica failing within a millisecond, the client gets `503`; the
-/// reservation stays acknowledged on the primary and its message makes it an
-/// order, which the user's reservation status shows.
-async fn replicated(state: &AppState, incoming: &Incoming) -> AppResult<()> {
-    let reservation_id = &incoming.reservation_id;
-    match state
-        .stock
-        .replicated(&incoming.activity_id, &incoming.user_id, reservation_id)
-        .await
-    {
-        Ok(true) => Ok(()),
-        other => {
-            tracing::warn!(?other, %reservation_id, "replicas did not acknowledge the reservation in time");
-            metrics::counter!("flashsale_redis_replica_ack_failures_total").increment(1);
-            Err(AppError::Unavailable("stock store replicas unreachable"))
-        }
-    }
-}
-
-/// Withdraws a reservation whose message may or may not be in the queue, through
-/// the one decision step (`OrderWriter::withdraw`): a `202` if MySQL already holds
-/// its order, a `503` otherwise. If MySQL cannot be reached it stays marked
-/// withdrawing in Redis, and the reconciler decides it.
-async fn withdraw(state: &AppState, incoming: Incoming, reserved: Reserved) -> AppResult<Reserved> {
-    match writer(state)
-        .withdraw(
-            std::slice::from_ref(&incoming),
-            "its publish failed or timed out",
-        )
-        .await
-    {
-        Ok(decided) => {
-            if decided
-                .iter()
-                .any(|(_, d)| matches!(d, Decision::Ordered | Decision::Duplicate))
-            {
-                tracing::info!(reservation_id = %incoming.reservation_id, "its message arrived first: an order");
-                return Ok(reserved);
-            }
-            if decided.is_empty() {
-                // Acknowledged already (its acknowledgement's answer was lost): a
-                // promise, kept once the replicas hold it.
-                replicated(state, &incoming).await?;
-                return Ok(reserved);
-            }
-        }
-        Err(err) => {
-            tracing::warn!(error = %err, reservation_id = %incoming.reservation_id, "withdrawal not recorded; the reconciler finishes it");
-        }
-    }
-    Err(AppError::Unavailable("order queue unreachable"))
-}
-
-/// Returns a reservation that never reached the queue, and the user's right to try
-/// again. If this fails too, the reservation stays pending in Redis, where the
-/// reconciler finds it (and withdraws it, since it was never acknowledged).
-async fn undo(state: &AppState, m: &Incoming) {
-    writer(state).give_back(m, RefundMode::Undo, "undone").await;
-}
-
-/// The one decision step, over this instance's MySQL pool and Redis handle.
-fn writer(state: &AppState) -> OrderWriter {
-    OrderWriter {
-        repo: state.orders.clone(),
-        stock: state.stock.clone(),
-    }
-}
-
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ReservationView {
     reservation_id: String,
@@ -659,10 +478,10 @@ pub struct ReservationView {
     params(("sku" = String, Path, description = "The SKU on sale")),
     responses(
         (status = 200, description = "The user's reservation: pending, ordered, paid, cancelled or failed", body = ReservationView),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found: no such sale, or the user holds no reservation", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "rate_limited", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found: no such sale, or the user holds no reservation", body = crate::error::ErrorBody),
+        (status = 429, description = "rate_limited", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// `GET /flash/{sku}/reservation`: MySQL's order when there is one, else Redis's

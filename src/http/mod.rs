@@ -12,6 +12,7 @@ pub mod middleware;
 mod openapi;
 mod ops;
 mod orders;
+mod page;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,32 +31,11 @@ use crate::config::ServerSettings;
 use crate::error::AppError;
 use crate::state::AppState;
 
-pub use body::whole_i64;
-pub use client_ip::{ClientIp, TrustedProxies};
-
-/// A page the service serves itself (one HTML file with its own script and
-/// style, nothing from elsewhere).
-fn own_page(html: &'static str) -> impl axum::response::IntoResponse {
-    (
-        [
-            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
-            (
-                axum::http::header::CONTENT_SECURITY_POLICY,
-                "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'",
-            ),
-        ],
-        html,
-    )
-}
-/// Redis could not be reached: `503`, logged, nothing held.
-pub(crate) fn redis_down(err: redis::RedisError) -> AppError {
-    tracing::warn!(error = %err, "redis call failed");
-    AppError::Unavailable("stock store unreachable")
-}
+pub use client_ip::ClientIp;
 
 pub use middleware::RateLimiters;
 pub use openapi::ApiDoc;
-pub use ops::{healthz, LiveFigures};
+pub use ops::healthz;
 
 pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
     let settings = &state.settings.server;

@@ -7,18 +7,7 @@ use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-/// Every error answer: `{"code", "message"}`, and for `already_reserved` the
-/// existing `reservation_id`.
-#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
-pub struct ErrorBody {
-    /// A fixed snake_case code (API.md).
-    pub code: String,
-    /// Human text.
-    pub message: String,
-    /// `already_reserved` only: the reservation the user holds.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reservation_id: Option<String>,
-}
+use crate::error::ErrorBody;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -99,5 +88,5 @@ pub async fn openapi_json() -> impl IntoResponse {
     responses((status = 200, description = "The API reference (HTML)", content_type = "text/html"))
 )]
 pub async fn docs() -> impl IntoResponse {
-    super::own_page(include_str!("docs.html"))
+    super::page::own_page(include_str!("docs.html"))
 }

@@ -21,29 +21,6 @@ const FIGURES_MAX_AGE: Duration = Duration::from_secs(1);
 /// that pass never finishes.
 const FIRST_PASS_WAIT: Duration = Duration::from_secs(5);
 
-/// When `/metrics` last read the activities' figures from Redis. Scrapes queue
-/// on the lock, so a flood of them makes one read, not one each.
-pub struct LiveFigures {
-    read_at: tokio::sync::Mutex<Option<Instant>>,
-    started: Instant,
-}
-
-impl LiveFigures {
-    /// Figures of an instance starting now.
-    pub fn new() -> Self {
-        LiveFigures {
-            read_at: tokio::sync::Mutex::new(None),
-            started: Instant::now(),
-        }
-    }
-}
-
-impl Default for LiveFigures {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 #[utoipa::path(
     get,
     path = "/healthz",
@@ -74,8 +51,8 @@ pub enum Role {
     params(("role" = Option<Role>, Query, description = "`api`: what taking reservations needs (Redis and Kafka); MySQL is then reported, not required")),
     responses(
         (status = 200, description = "Ready; `checks` names each dependency's state at the last probe (`ok`, `down`, or `unknown`: no answer within the last second)", body = Object),
-        (status = 422, description = "invalid_request: an unknown role", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable: something is down, or the process is draining", body = crate::http::openapi::ErrorBody),
+        (status = 422, description = "invalid_request: an unknown role", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable: something is down, or the process is draining", body = crate::error::ErrorBody),
     )
 )]
 /// `200` when Redis, MySQL and the broker all answered the last probe; otherwise

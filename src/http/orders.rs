@@ -47,11 +47,11 @@ impl From<Order> for OrderView {
     params(("order_id" = String, Path, description = "The order's id")),
     responses(
         (status = 200, description = "The paid order (paying twice is 200 again)", body = OrderView),
-        (status = 401, description = "unauthorized", body = crate::http::openapi::ErrorBody),
-        (status = 404, description = "not_found: no such order of this user", body = crate::http::openapi::ErrorBody),
-        (status = 409, description = "expired: cancelled for non-payment", body = crate::http::openapi::ErrorBody),
-        (status = 429, description = "rate_limited", body = crate::http::openapi::ErrorBody),
-        (status = 503, description = "unavailable", body = crate::http::openapi::ErrorBody),
+        (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
+        (status = 404, description = "not_found: no such order of this user", body = crate::error::ErrorBody),
+        (status = 409, description = "expired: cancelled for non-payment", body = crate::error::ErrorBody),
+        (status = 429, description = "rate_limited", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
 /// Pays the caller's order. Anyone else's order is 404 (its existence is not

@@ -35,11 +35,11 @@ use serde::Serialize;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::activity::{Activity, ActivityCache, ActivityRepo, Window};
+use crate::activity::{Activity, ActivityCache, ActivityRepo, Build, Window};
 use crate::config::KafkaSettings;
+use crate::kafka;
 use crate::orders::{Decision, Incoming, OrderRepo, OrderWriter};
-use crate::queue;
-use crate::stock::{Audit, Build, Fate, PreloadMode, RefundMode, RefundOutcome, StockStore};
+use crate::stock::{Audit, Fate, PreloadMode, RefundMode, RefundOutcome, StockStore};
 
 const EXPIRED_BATCH: usize = 500;
 /// How soon a rebuild that waits for the consumers is tried again.
@@ -131,6 +131,25 @@ pub struct Reconciler {
 }
 
 impl Reconciler {
+    pub fn new(
+        activities: ActivityRepo,
+        orders: OrderRepo,
+        stock: StockStore,
+        kafka: KafkaSettings,
+        pending_deadline: Duration,
+    ) -> Self {
+        Reconciler {
+            activities,
+            orders,
+            stock,
+            kafka,
+            pending_deadline,
+            last: Arc::default(),
+            lost_since: Arc::default(),
+            first_pass: Arc::default(),
+        }
+    }
+
     /// The activity is in Redis again: a later loss waits from its own start.
     fn found(&self, activity_id: &str) {
         self.lost_since
@@ -161,7 +180,7 @@ impl Reconciler {
             .copied()
             .unwrap_or_else(Instant::now);
         tokio::time::sleep_until((since + self.in_flight()).into()).await;
-        match queue::consumer_lag(&self.kafka).await {
+        match kafka::consumer_lag(&self.kafka).await {
             Ok(lag) => Some(lag),
             Err(err) => {
                 tracing::warn!(error = %err, "consumer lag unknown");
@@ -492,10 +511,7 @@ impl Reconciler {
         before_ms: i64,
         report: &mut Report,
     ) -> anyhow::Result<()> {
-        let writer = OrderWriter {
-            repo: self.orders.clone(),
-            stock: self.stock.clone(),
-        };
+        let writer = OrderWriter::new(self.orders.clone(), self.stock.clone());
         let mut oldest_seen: Option<String> = None;
         loop {
             let expired = self
@@ -738,7 +754,7 @@ impl Reconciler {
     /// The consumer group's lag into `flashsale_consumer_lag_messages`; a broker
     /// that does not answer leaves the gauge as it was (and says so in the log).
     async fn measure_lag(&self) -> Option<i64> {
-        match queue::consumer_lag(&self.kafka).await {
+        match kafka::consumer_lag(&self.kafka).await {
             Ok(lag) => {
                 metrics::gauge!("flashsale_consumer_lag_messages").set(lag as f64);
                 Some(lag)

@@ -253,8 +253,8 @@ pub fn is_valid_reservation_id(reservation_id: &str) -> bool {
     let parts: Vec<&str> = reservation_id.split('.').collect();
     reservation_id.len() <= 64
         && match parts.as_slice() {
-            [id] => crate::activity::is_valid_id(id),
-            [id, _, _] => crate::activity::is_valid_id(id) && shard_of(reservation_id).1 > 1,
+            [id] => crate::input::is_valid_id(id),
+            [id, _, _] => crate::input::is_valid_id(id) && shard_of(reservation_id).1 > 1,
             _ => false,
         }
 }

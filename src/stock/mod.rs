@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use redis::{AsyncCommands, RedisResult, Script};
 
+use crate::activity::Build;
+
 pub use conn::{Family, RedisConn};
 pub use keys::{
     deal, home_shard, is_valid_reservation_id, new_reservation_id, shard_of, Keys, RoomKeys,
@@ -252,20 +254,6 @@ fn parse_detail(d: &str) -> Option<(String, u32, Fate)> {
     };
     let (user, units) = rest.split_once('|')?;
     Some((user.to_owned(), units.parse::<u32>().ok()?, fate))
-}
-
-/// What a (re)build writes into Redis, read from MySQL in one snapshot.
-#[derive(Debug, Clone, Default)]
-pub struct Build {
-    /// Units MySQL still has for sale.
-    pub available: i64,
-    pub paused: bool,
-    /// The build's number (MySQL's `redis_epoch`); Redis keeps it in `…:epoch`.
-    pub epoch: u32,
-    /// (user id, reservation id) of every user whose purchase right is spent.
-    pub buyers: Vec<(String, String)>,
-    /// Reservations of failed and cancelled orders: their units are in `available`.
-    pub returned: Vec<String>,
 }
 
 /// A Lua script: its SHA for EVALSHA, and its text for the fallback.

@@ -36,7 +36,7 @@
 //! Every key lives in the hash tag of the activity's shard 0 (`RoomKeys`).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -45,9 +45,10 @@ use redis::RedisResult;
 use sqlx::MySqlPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::activity::Activity;
-use crate::state::AppState;
-use crate::stock::{arg, invoke, Lua, RedisConn, RoomKeys};
+use crate::activity::{Activity, ActivityCache};
+use crate::config::WaitingRoomSettings;
+use crate::orders::OrderRepo;
+use crate::stock::{arg, invoke, Lua, RedisConn, RoomKeys, StockStore};
 
 /// Places of late joiners start here: behind every drawn place.
 pub const LATE_PLACES: i64 = 1_000_000_000_000;
@@ -114,9 +115,15 @@ pub struct RoomFigures {
     pub closed: bool,
 }
 
+/// A sale's waiting room, holding what it reads: its Redis connection, the
+/// stock (admissions follow it), MySQL (the draw and the journal; the unpaid
+/// orders) and its settings.
 pub struct WaitingRoom {
     conn: RedisConn,
     pool: MySqlPool,
+    stock: StockStore,
+    orders: OrderRepo,
+    settings: WaitingRoomSettings,
     join: Lua,
     draw: Lua,
     commit: Lua,
@@ -136,11 +143,20 @@ fn ms(t: DateTime<Utc>) -> i64 {
 }
 
 impl WaitingRoom {
-    pub fn new(conn: RedisConn, pool: MySqlPool) -> Self {
+    pub fn new(
+        conn: RedisConn,
+        pool: MySqlPool,
+        stock: StockStore,
+        orders: OrderRepo,
+        settings: WaitingRoomSettings,
+    ) -> Self {
         let joins = JoinRecorder::start(pool.clone());
         WaitingRoom {
             conn,
+            orders,
             pool,
+            stock,
+            settings,
             join: Lua::new(include_str!("join.lua")),
             draw: Lua::new(include_str!("draw.lua")),
             commit: Lua::new(include_str!("commit.lua")),
@@ -261,18 +277,12 @@ impl WaitingRoom {
     }
 
     /// One upkeep step of an activity's room: the draw once due, then admissions.
-    pub async fn step(
-        &self,
-        state: &AppState,
-        a: &Activity,
-        now: DateTime<Utc>,
-        turn: Duration,
-    ) -> anyhow::Result<()> {
+    pub async fn step(&self, a: &Activity, now: DateTime<Utc>) -> anyhow::Result<()> {
         if now < a.starts_at + DRAW_GRACE {
             return Ok(());
         }
         self.ensure_drawn(a).await?;
-        let snap = state
+        let snap = self
             .stock
             .snapshot(&a.id, a.stock_shards)
             .await
@@ -286,8 +296,9 @@ impl WaitingRoom {
             return Ok(());
         }
         let left = left.max(0);
-        let over = now >= a.ends_at
-            || (left == 0 && snap.pending == 0 && self.unpaid(state, a).await? == 0);
+        let over =
+            now >= a.ends_at || (left == 0 && snap.pending == 0 && self.unpaid(a).await? == 0);
+        let turn = Duration::from_secs(self.settings.turn_secs);
         let until = now + chrono::Duration::from_std(turn).unwrap_or_default();
         let _: (i64, i64, i64) = self
             .run(
@@ -307,7 +318,7 @@ impl WaitingRoom {
     }
 
     /// Units in orders awaiting payment: they come back if the payment lapses.
-    async fn unpaid(&self, state: &AppState, a: &Activity) -> anyhow::Result<i64> {
+    async fn unpaid(&self, a: &Activity) -> anyhow::Result<i64> {
         if let Some((at, n)) = self
             .unpaid
             .lock()
@@ -318,7 +329,7 @@ impl WaitingRoom {
                 return Ok(*n);
             }
         }
-        let n = state
+        let n = self
             .orders
             .unpaid_units(&a.id)
             .await
@@ -703,10 +714,10 @@ pub async fn load_draw(
 /// Every instance's upkeep of every waiting room from its start to a minute past
 /// its end, each `tick` (the admission steps are atomic, so instances never add
 /// up their admissions).
-pub async fn run(state: AppState, shutdown: CancellationToken) {
+pub async fn run(room: Arc<WaitingRoom>, cache: ActivityCache, shutdown: CancellationToken) {
     tokio::join!(
-        admit_every_tick(state.clone(), shutdown.clone()),
-        copy_journals(state, shutdown)
+        admit_every_tick(&room, &cache, shutdown.clone()),
+        copy_journals(&room, &cache, shutdown)
     );
 }
 
@@ -716,7 +727,7 @@ pub async fn run(state: AppState, shutdown: CancellationToken) {
 const JOURNAL_EVERY: Duration = Duration::from_millis(500);
 const JOURNAL_TIMEOUT: Duration = Duration::from_secs(5);
 
-async fn copy_journals(state: AppState, shutdown: CancellationToken) {
+async fn copy_journals(room: &WaitingRoom, cache: &ActivityCache, shutdown: CancellationToken) {
     let mut tick = tokio::time::interval(JOURNAL_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -725,11 +736,11 @@ async fn copy_journals(state: AppState, shutdown: CancellationToken) {
             _ = tick.tick() => {}
         }
         let now = Utc::now();
-        for a in state.cache.waiting_rooms(now) {
+        for a in cache.waiting_rooms(now) {
             if now > a.ends_at + chrono::Duration::minutes(1) {
                 continue;
             }
-            let copied = tokio::time::timeout(JOURNAL_TIMEOUT, state.waiting_room.copy_journal(&a));
+            let copied = tokio::time::timeout(JOURNAL_TIMEOUT, room.copy_journal(&a));
             match copied.await {
                 Ok(Ok(())) => {}
                 Ok(Err(err)) => {
@@ -743,10 +754,8 @@ async fn copy_journals(state: AppState, shutdown: CancellationToken) {
     }
 }
 
-async fn admit_every_tick(state: AppState, shutdown: CancellationToken) {
-    let settings = &state.settings.waiting_room;
-    let turn = Duration::from_secs(settings.turn_secs);
-    let mut tick = tokio::time::interval(Duration::from_millis(settings.tick_ms));
+async fn admit_every_tick(room: &WaitingRoom, cache: &ActivityCache, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_millis(room.settings.tick_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
@@ -754,11 +763,11 @@ async fn admit_every_tick(state: AppState, shutdown: CancellationToken) {
             _ = tick.tick() => {}
         }
         let now = Utc::now();
-        for a in state.cache.waiting_rooms(now) {
+        for a in cache.waiting_rooms(now) {
             if now > a.ends_at + chrono::Duration::minutes(1) {
                 continue;
             }
-            if let Err(err) = state.waiting_room.step(&state, &a, now, turn).await {
+            if let Err(err) = room.step(&a, now).await {
                 tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "waiting room step failed");
             }
         }

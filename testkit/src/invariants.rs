@@ -142,7 +142,7 @@ impl Probe {
 
     /// One look: `Ok(None)` when quiet, else what is still moving.
     async fn unquiet(&self) -> Result<Option<String>, String> {
-        let lag = flashsale::queue::consumer_lag(&self.kafka)
+        let lag = flashsale::kafka::consumer_lag(&self.kafka)
             .await
             .map_err(|e| e.to_string())?;
         let pool = self.pool().await?;

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use flashsale::config::Settings;
-use flashsale::queue::ReservationMessage;
+use flashsale::kafka::ReservationMessage;
 use flashsale::startup::{self, Application};
 use flashsale::state::AppState;
 use rdkafka::config::ClientConfig;

@@ -4,8 +4,8 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use flashsale::kafka::ReservationMessage;
 use flashsale::orders::{Incoming, OrderStatus, Sweeper};
-use flashsale::queue::ReservationMessage;
 use reqwest::StatusCode;
 use secrecy::{ExposeSecret, SecretString};
 use serde_json::Value;

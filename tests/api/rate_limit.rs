@@ -129,7 +129,7 @@ async fn behind_a_trusted_proxy_each_client_has_its_own_bucket() {
         s.rate_limit.per_ip_per_sec = 1;
         s.rate_limit.per_ip_burst = 3;
         s.server.trusted_proxies =
-            flashsale::http::TrustedProxies::parse(&["127.0.0.1"]).expect("parses");
+            flashsale::config::TrustedProxies::parse(&["127.0.0.1"]).expect("parses");
     })
     .await;
     assert_eq!(

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use flashsale::queue::ReservationMessage;
+use flashsale::kafka::ReservationMessage;
 use reqwest::StatusCode;
 use serde_json::Value;
 
@@ -20,7 +20,7 @@ fn workers(s: &mut flashsale::config::Settings) {
 
 async fn drained(app: &TestApp) {
     eventually(WAIT, "the consumers to drain", || async {
-        let lag = flashsale::queue::consumer_lag(&app.settings.kafka)
+        let lag = flashsale::kafka::consumer_lag(&app.settings.kafka)
             .await
             .ok()?;
         (lag == 0).then_some(())

@@ -243,7 +243,7 @@ impl Run {
 
     /// Messages the consumers' group has committed so far.
     pub async fn committed(&self) -> i64 {
-        flashsale::queue::group_offsets(&self.kafka)
+        flashsale::kafka::group_offsets(&self.kafka)
             .await
             .map(|o| o.committed)
             .unwrap_or(0)

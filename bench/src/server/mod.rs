@@ -588,7 +588,7 @@ async fn open_sale(
     State(s): State<Strategy>,
     Json(new): Json<NewSale>,
 ) -> AppResult<(StatusCode, Json<Value>)> {
-    if !flashsale::activity::is_valid_sku(&new.sku) || new.stock < 1 {
+    if !flashsale::input::is_valid_sku(&new.sku) || new.stock < 1 {
         return Err(AppError::invalid(
             "a valid sku and a positive stock are needed",
         ));

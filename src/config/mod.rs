@@ -1,6 +1,10 @@
 //! Layered, typed settings: `config/default.toml`, then `config/{FLASHSALE_ENV}.toml`
 //! when present, then `FLASHSALE__<SECTION>__<KEY>` environment variables.
 //!
+//! Every default value is written once, in `config/default.toml`, which is always
+//! read: the types here add none of their own (the few `#[serde(default)]`s are
+//! empty: no trusted proxy, no debug context, no second listener).
+//!
 //! Secrets are `SecretString`s so they never reach a log line through `Debug`.
 
 use std::path::{Path, PathBuf};
@@ -9,6 +13,10 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
+
+mod trusted_proxies;
+
+pub use trusted_proxies::TrustedProxies;
 
 /// The development admin token shipped in `config/default.toml`.
 pub const DEV_ADMIN_TOKEN: &str = "dev-admin-token-change-me";
@@ -28,27 +36,16 @@ pub struct Settings {
     pub consumer: ConsumerSettings,
     pub orders: OrdersSettings,
     pub reconcile: ReconcileSettings,
-    #[serde(default)]
     pub waiting_room: WaitingRoomSettings,
 }
 
 /// Waiting rooms (activities with `"admission": "waiting_room"`).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(default)]
 pub struct WaitingRoomSettings {
     /// How long an admitted user has to reserve before the turn goes to the next.
     pub turn_secs: u64,
     /// How often each instance admits (and draws, once due).
     pub tick_ms: u64,
-}
-
-impl Default for WaitingRoomSettings {
-    fn default() -> Self {
-        WaitingRoomSettings {
-            turn_secs: 60,
-            tick_ms: 100,
-        }
-    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -60,12 +57,11 @@ pub struct ServerSettings {
     pub shutdown_grace_secs: u64,
     /// After SIGTERM, how long `/readyz` answers `503` while requests are still
     /// served, before the server stops taking new ones.
-    #[serde(default = "default_drain_delay_secs")]
     pub drain_delay_secs: u64,
     /// Proxies whose `X-Forwarded-For` names the client (addresses or CIDRs; as
     /// an environment variable, a comma-separated list).
     #[serde(default)]
-    pub trusted_proxies: crate::http::TrustedProxies,
+    pub trusted_proxies: TrustedProxies,
     /// A second listener serving only `/metrics`, `/healthz` and `/readyz`
     /// (the main listener serves them too); none when absent.
     #[serde(default)]
@@ -116,13 +112,11 @@ pub struct KafkaSettings {
     pub publish_timeout_ms: u64,
     pub linger_ms: u64,
     /// librdkafka's `batch.size`: the most bytes one batch of a partition holds.
-    #[serde(default = "default_producer_batch_bytes")]
     pub batch_bytes: u32,
     /// librdkafka's `max.in.flight.requests.per.connection` (at most 5 with
     /// idempotence). 1 by default: while a produce request waits for `acks=all`,
     /// the next one gathers every publish that arrived, so fewer, fuller requests
     /// carry the same load (measured by the benchmark's producer section).
-    #[serde(default = "default_producer_max_in_flight")]
     pub max_in_flight: u32,
     /// The idempotent producer (no duplicates from retries). On by default; off
     /// only for brokers whose idempotence support is broken (tansu 0.6): the
@@ -133,26 +127,13 @@ pub struct KafkaSettings {
     pub client_debug: String,
 }
 
-fn default_producer_batch_bytes() -> u32 {
-    1_000_000
-}
-
-fn default_producer_max_in_flight() -> u32 {
-    1
-}
-
 #[derive(Debug, Clone, Deserialize)]
 pub struct AuthSettings {
     pub admin_token: SecretString,
     pub user_token_secret: SecretString,
     /// User tokens kept as verified (subject and expiry) per process; 0 verifies
     /// every request in full.
-    #[serde(default = "default_verified_tokens")]
     pub verified_tokens: usize,
-}
-
-fn default_verified_tokens() -> usize {
-    crate::auth::VERIFIED_TOKENS
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -174,19 +155,10 @@ pub struct ConsumerSettings {
     pub batch_size: usize,
     pub batch_wait_ms: u64,
     /// Where `flashsale consume` serves `/metrics` and `/healthz`.
-    #[serde(default = "default_consumer_metrics_addr")]
     pub metrics_addr: String,
     /// The group session: a consumer silent this long loses its partitions.
     pub session_timeout_ms: u64,
     pub heartbeat_interval_ms: u64,
-}
-
-fn default_drain_delay_secs() -> u64 {
-    5
-}
-
-fn default_consumer_metrics_addr() -> String {
-    "127.0.0.1:9464".to_owned()
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -396,7 +368,7 @@ mod tests {
         std::env::remove_var("FLASHSALE__SERVER__TRUSTED_PROXIES");
         assert_eq!(
             s.server.trusted_proxies,
-            crate::http::TrustedProxies::parse(&["10.0.0.0/8", "127.0.0.1"]).expect("parses")
+            TrustedProxies::parse(&["10.0.0.0/8", "127.0.0.1"]).expect("parses")
         );
     }
 
