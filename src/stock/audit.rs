@@ -34,6 +34,21 @@ pub struct ShardAudit {
 }
 
 impl ShardAudit {
+    /// `audit.lua`'s `{loaded (0/1), stock, pending units, owed units, expected,
+    /// repaired (0/1), units lent, units received}`. A repair that was not made
+    /// reads as a shard that changed meanwhile: not loaded.
+    fn decode(reply: &[i64], repairing: bool) -> Self {
+        let at = |i: usize| reply.get(i).copied().unwrap_or_default();
+        ShardAudit {
+            loaded: at(0) == 1 && !(repairing && at(5) != 1),
+            stock: at(1),
+            pending_units: at(2),
+            owed_units: at(3),
+            lent: at(6),
+            received: at(7),
+        }
+    }
+
     /// The units this shard accounts for: no transfer between shards changes it.
     pub(super) fn holds(&self) -> i64 {
         self.stock + self.pending_units + self.owed_units + self.lent - self.received
@@ -65,7 +80,7 @@ impl StockStore {
             args.push(arg(reservation));
             args.push(arg(*units));
         }
-        let v: Vec<i64> = self
+        let reply: Vec<i64> = self
             .run(
                 &self.audit,
                 &[
@@ -80,26 +95,7 @@ impl StockStore {
                 &args,
             )
             .await?;
-        let at = |i: usize| v.get(i).copied().unwrap_or_default();
-        Ok(ShardAudit {
-            loaded: at(0) == 1,
-            stock: at(1),
-            pending_units: at(2),
-            owed_units: at(3),
-            lent: at(6),
-            received: at(7),
-        })
-        .map(|part| {
-            if repair.is_some() && at(5) != 1 {
-                // Not repaired: report it as a shard that changed meanwhile.
-                ShardAudit {
-                    loaded: false,
-                    ..part
-                }
-            } else {
-                part
-            }
-        })
+        Ok(ShardAudit::decode(&reply, repair.is_some()))
     }
 
     /// Compares Redis's stock with what MySQL implies (see `audit.lua`): MySQL's
@@ -177,5 +173,29 @@ impl StockStore {
             self.gate.open(activity_id);
         }
         Ok(done)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn audit_replies_decode() {
+        let read = ShardAudit::decode(&[1, 5, 2, 1, 0, 0, 3, 4], false);
+        assert_eq!(
+            read,
+            ShardAudit {
+                loaded: true,
+                stock: 5,
+                pending_units: 2,
+                owed_units: 1,
+                lent: 3,
+                received: 4
+            }
+        );
+        assert!(ShardAudit::decode(&[1, 5, 2, 1, 0, 1, 3, 4], true).loaded);
+        assert!(!ShardAudit::decode(&[1, 5, 2, 1, 0, 0, 3, 4], true).loaded);
+        assert!(!ShardAudit::decode(&[0], false).loaded);
     }
 }

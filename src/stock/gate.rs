@@ -43,7 +43,7 @@ struct GateState {
     too_large: HashSet<String>,
 }
 
-pub(super) struct Shut {
+struct Shut {
     restock: Vec<(String, i64)>,
     buyers: HashSet<String>,
 }
@@ -69,7 +69,7 @@ impl SoldOutGate {
 
     /// Whether this call is the one to read `activity_id`'s buyers: it is not
     /// shut already, not too large to gate, and no one else is at it.
-    pub(super) fn begin_closing(&self, activity_id: &str) -> bool {
+    fn begin_closing(&self, activity_id: &str) -> bool {
         let mut state = self.state();
         if state.shut.contains_key(activity_id) || state.too_large.contains(activity_id) {
             return false;
@@ -78,7 +78,7 @@ impl SoldOutGate {
     }
 
     /// Ends a reading: the gate shut with what it found, or left open.
-    pub(super) fn end_closing(&self, activity_id: &str, found: Option<Shut>, too_large: bool) {
+    fn end_closing(&self, activity_id: &str, found: Option<Shut>, too_large: bool) {
         let mut state = self.state();
         state.closing.remove(activity_id);
         if too_large {
@@ -121,12 +121,33 @@ impl StockStore {
         self.gate.readings.load(Ordering::Relaxed)
     }
 
+    /// Shuts the gate of a sale found sold out (`restock`: each shard's restock
+    /// count as found empty), in the background, unless it is shut already or
+    /// another call is at it.
+    pub(super) fn shut_gate(&self, activity_id: &str, shards: u8, restock: Vec<(String, i64)>) {
+        if !self.gate.begin_closing(activity_id) {
+            return;
+        }
+        let store = self.clone();
+        let activity_id = activity_id.to_owned();
+        tokio::spawn(async move {
+            let (found, too_large) = match store.read_buyers(&activity_id, shards, restock).await {
+                Ok(read) => read,
+                Err(err) => {
+                    tracing::debug!(%activity_id, error = %err, "the sold-out gate stays open");
+                    (None, false)
+                }
+            };
+            store.gate.end_closing(&activity_id, found, too_large);
+        });
+    }
+
     /// Reads the buyers of a sale found sold out, a batch at a time: what to
     /// shut its gate with, unless a restock count moved meanwhile (a unit came
     /// back, and with it maybe a buyer the reading missed) or a shard's buyers
     /// number other than what was read (the scan spanned a failover); and
     /// whether the sale has too many buyers to gate at all.
-    pub(super) async fn read_buyers(
+    async fn read_buyers(
         &self,
         activity_id: &str,
         shards: u8,

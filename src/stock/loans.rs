@@ -45,6 +45,31 @@ impl Loan {
     }
 }
 
+/// What `receive.lua` did with a loan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Received {
+    Now,
+    Before,
+    /// It never will be: lent from another build, or the borrower is not loaded.
+    Never,
+}
+
+impl Received {
+    /// 1 received now, 0 received before, -2 another build, -3 not loaded.
+    fn decode(n: i64) -> Self {
+        match n {
+            1 => Received::Now,
+            n if n >= 0 => Received::Before,
+            _ => Received::Never,
+        }
+    }
+}
+
+/// `loan_done.lua`'s 1 marked now, 0 left alone.
+fn decode_loan_done(n: i64) -> bool {
+    n == 1
+}
+
 impl StockStore {
     /// Finishes the transfers between shards that their borrower left half done
     /// (lent more than `older_than_ms` ago and not marked done): receives each
@@ -109,7 +134,7 @@ impl StockStore {
         loan: &Loan,
     ) -> RedisResult<Option<bool>> {
         let borrower = Keys::shard(activity_id, shards, loan.to);
-        let n: i64 = self
+        let received = self
             .run(
                 &self.receive,
                 &[
@@ -121,11 +146,15 @@ impl StockStore {
                 &[arg(&loan.transfer), arg(loan.units), arg(&loan.epoch)],
             )
             .await?;
-        if n == 1 {
-            self.gate.open(activity_id);
-            metrics::counter!("flashsale_stock_shard_transfers_finished_total").increment(1);
-        }
-        Ok((n >= 0).then_some(n == 1))
+        Ok(match Received::decode(received) {
+            Received::Now => {
+                self.gate.open(activity_id);
+                metrics::counter!("flashsale_stock_shard_transfers_finished_total").increment(1);
+                Some(true)
+            }
+            Received::Before => Some(false),
+            Received::Never => None,
+        })
     }
 
     /// Marks a received loan done on its lender (`loan_done.lua`): only while the
@@ -137,20 +166,35 @@ impl StockStore {
         loan: &Loan,
     ) -> RedisResult<bool> {
         let lender = Keys::shard(activity_id, shards, loan.lender);
-        let n: i64 = self
+        let marked = self
             .run(
                 &self.loan_done,
                 &[&lender.lent, &lender.epoch],
                 &[arg(&loan.transfer), arg(&loan.record), arg(&loan.epoch)],
             )
             .await?;
-        Ok(n == 1)
+        Ok(decode_loan_done(marked))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loan_replies_decode() {
+        assert_eq!(
+            [1, 0, -2, -3].map(Received::decode),
+            [
+                Received::Now,
+                Received::Before,
+                Received::Never,
+                Received::Never
+            ]
+        );
+        assert!(decode_loan_done(1));
+        assert!(!decode_loan_done(0));
+    }
 
     #[test]
     fn loan_records() {

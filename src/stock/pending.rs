@@ -40,6 +40,17 @@ pub enum FateChange {
     Unknown,
 }
 
+impl FateChange {
+    /// `fate.lua`'s 1 done, 0 refused, -1 unknown.
+    fn decode(n: i64) -> Self {
+        match n {
+            1 => FateChange::Done,
+            0 => FateChange::Refused,
+            _ => FateChange::Unknown,
+        }
+    }
+}
+
 /// A reservation pending in Redis: not yet confirmed by MySQL.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingReservation {
@@ -132,7 +143,7 @@ impl StockStore {
         ack: bool,
     ) -> RedisResult<FateChange> {
         let k = Keys::of_reservation(activity_id, reservation_id);
-        let n: i64 = self
+        let n = self
             .run(
                 &self.fate,
                 &[&k.res],
@@ -142,11 +153,7 @@ impl StockStore {
                 ],
             )
             .await?;
-        Ok(match n {
-            1 => FateChange::Done,
-            0 => FateChange::Refused,
-            _ => FateChange::Unknown,
-        })
+        Ok(FateChange::decode(n))
     }
 
     /// Pending reservations older than `before_ms`, oldest first on each shard
@@ -202,6 +209,14 @@ impl StockStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fate_replies_decode() {
+        assert_eq!(
+            [1, 0, -1].map(FateChange::decode),
+            [FateChange::Done, FateChange::Refused, FateChange::Unknown]
+        );
+    }
 
     #[test]
     fn reservation_details() {

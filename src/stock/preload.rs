@@ -52,7 +52,7 @@ impl StockStore {
                     args.push(arg(reservation));
                 }
             }
-            let built: i64 = self
+            let built = self
                 .run(
                     &self.preload,
                     &[
@@ -70,7 +70,7 @@ impl StockStore {
                     &args,
                 )
                 .await?;
-            all_built &= built == 1;
+            all_built &= decode_preload(built);
         }
         self.gate.open(activity_id);
         Ok(all_built)
@@ -97,4 +97,10 @@ impl StockStore {
         }
         Ok(all)
     }
+}
+
+/// `preload.lua`'s 1 built, 0 left alone (`missing` found it loaded, `force`
+/// found it selling).
+fn decode_preload(n: i64) -> bool {
+    n == 1
 }

@@ -93,16 +93,7 @@ impl StockStore {
                 &[arg(id), arg(user_id), arg(quantity), arg(mode)],
             )
             .await?;
-        let outcome = match n {
-            0 => RefundOutcome::AlreadyRefunded,
-            -1 => RefundOutcome::NothingToUndo,
-            -2 => RefundOutcome::Acknowledged,
-            -3 => RefundOutcome::NotLoaded,
-            // The script returns the quantity it was given, which is at least 1.
-            units => RefundOutcome::Returned {
-                units: u32::try_from(units).unwrap_or(u32::MAX),
-            },
-        };
+        let outcome = RefundOutcome::decode(n);
         if matches!(outcome, RefundOutcome::Returned { .. }) {
             self.gate.open(activity_id);
         }
@@ -146,7 +137,7 @@ impl StockStore {
             args.push(arg(id));
             args.push(arg(units));
         }
-        let n: i64 = self
+        let lowered = self
             .run(
                 &self.lower,
                 &[
@@ -161,6 +152,53 @@ impl StockStore {
                 &args,
             )
             .await?;
-        Ok((n >= 0).then_some(n))
+        Ok(decode_lowered(lowered))
+    }
+}
+
+impl RefundOutcome {
+    /// `refund.lua`'s units returned (> 0), or 0 already refunded, -1 nothing to
+    /// undo, -2 acknowledged, -3 not loaded.
+    fn decode(n: i64) -> Self {
+        match n {
+            0 => RefundOutcome::AlreadyRefunded,
+            -1 => RefundOutcome::NothingToUndo,
+            -2 => RefundOutcome::Acknowledged,
+            -3 => RefundOutcome::NotLoaded,
+            // The script returns the quantity it was given, which is at least 1.
+            units => RefundOutcome::Returned {
+                units: u32::try_from(units).unwrap_or(u32::MAX),
+            },
+        }
+    }
+}
+
+/// `lower.lua`'s units the stock was lowered by, or -1 (`None`) done before.
+fn decode_lowered(n: i64) -> Option<i64> {
+    (n >= 0).then_some(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refund_replies_decode() {
+        assert_eq!(
+            [0, -1, -2, -3].map(RefundOutcome::decode),
+            [
+                RefundOutcome::AlreadyRefunded,
+                RefundOutcome::NothingToUndo,
+                RefundOutcome::Acknowledged,
+                RefundOutcome::NotLoaded
+            ]
+        );
+        assert_eq!(
+            RefundOutcome::decode(3),
+            RefundOutcome::Returned { units: 3 }
+        );
+        assert_eq!(decode_lowered(2), Some(2));
+        assert_eq!(decode_lowered(0), Some(0));
+        assert_eq!(decode_lowered(-1), None);
     }
 }

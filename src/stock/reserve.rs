@@ -21,6 +21,7 @@ pub enum ReserveOutcome {
 }
 
 /// What `reserve.lua` answered on one shard.
+#[derive(Debug, PartialEq, Eq)]
 enum ShardReserve {
     Done(ReserveOutcome),
     /// Fewer units left on this shard than asked for; its restock count then.
@@ -28,6 +29,53 @@ enum ShardReserve {
         left: i64,
         restock: i64,
     },
+}
+
+impl ShardReserve {
+    /// `{1, id}` reserved, `{0, id}` reserved before, `{-1, units left,
+    /// restock}` too few units here, `{-4, ""}` paused; anything else (`-3`) not
+    /// loaded.
+    fn decode((code, value, restock): (i64, String, i64)) -> Self {
+        ShardReserve::Done(match code {
+            1 => ReserveOutcome::Reserved {
+                reservation_id: value,
+            },
+            0 => ReserveOutcome::AlreadyReserved {
+                reservation_id: value,
+            },
+            -1 => {
+                return ShardReserve::Dry {
+                    left: value.parse().unwrap_or(0),
+                    restock,
+                }
+            }
+            -4 => ReserveOutcome::Paused,
+            _ => ReserveOutcome::NotLoaded,
+        })
+    }
+}
+
+/// What `lend.lua` answered.
+#[derive(Debug, PartialEq, Eq)]
+enum Lent {
+    /// The lender is not loaded.
+    NotLoaded,
+    /// Nothing to lend; the lender's restock count then.
+    Dry { restock: i64 },
+    /// Units lent from the lender's build `epoch`.
+    Units { units: i64, epoch: String },
+}
+
+impl Lent {
+    /// `{units lent, epoch, restock}` (0 units: none to lend), or `{-3, ""}`
+    /// when not loaded.
+    fn decode((units, epoch, restock): (i64, String, i64)) -> Self {
+        match units {
+            -3 => Lent::NotLoaded,
+            0 => Lent::Dry { restock },
+            units => Lent::Units { units, epoch },
+        }
+    }
 }
 
 impl StockStore {
@@ -86,24 +134,19 @@ impl StockStore {
             }
             let transfer = format!("{reservation_id}>{}", lender.shard);
             let need = i64::from(quantity) - left;
-            let (lent, epoch, restock): (i64, String, i64) = self
-                .run(
-                    &self.lend,
-                    &[&lender.stock, &lender.lent, &lender.epoch, &lender.restock],
-                    &[arg(&transfer), arg(need), arg(home.shard), arg(now_ms)],
-                )
-                .await?;
-            self.dry.mark(&lender.stock, (lent == 0).then_some(restock));
-            match lent {
-                -3 => return Ok(ReserveOutcome::NotLoaded),
-                0 => {
+            let (units, epoch) = match self
+                .lend(&lender, &transfer, need, home.shard, now_ms)
+                .await?
+            {
+                Lent::NotLoaded => return Ok(ReserveOutcome::NotLoaded),
+                Lent::Dry { restock } => {
                     empty.push((lender.restock.clone(), restock));
                     continue;
                 }
-                _ => {}
-            }
+                Lent::Units { units, epoch } => (units, epoch),
+            };
             metrics::counter!("flashsale_stock_shard_transfers_total").increment(1);
-            left = match reserve(Some((transfer, lent, epoch))).await? {
+            left = match reserve(Some((transfer, units, epoch))).await? {
                 ShardReserve::Done(outcome) => return Ok(outcome),
                 ShardReserve::Dry { left, restock } => {
                     empty.retain(|(k, _)| *k != home.restock);
@@ -115,25 +158,36 @@ impl StockStore {
         // Sold out for a single unit, every shard seen empty with its count (a
         // lender that just lent its last units left none): no request could be
         // served, so the sale is shut here until a count moves.
-        if quantity == 1
-            && empty.len() == usize::from(shards)
-            && self.gate.begin_closing(activity_id)
-        {
-            let store = self.clone();
-            let activity_id = activity_id.to_owned();
-            tokio::spawn(async move {
-                let (found, too_large) = match store.read_buyers(&activity_id, shards, empty).await
-                {
-                    Ok(read) => read,
-                    Err(err) => {
-                        tracing::debug!(%activity_id, error = %err, "the sold-out gate stays open");
-                        (None, false)
-                    }
-                };
-                store.gate.end_closing(&activity_id, found, too_large);
-            });
+        if quantity == 1 && empty.len() == usize::from(shards) {
+            self.shut_gate(activity_id, shards, empty);
         }
         Ok(ReserveOutcome::SoldOut)
+    }
+
+    /// Asks `lender` for `need` units for the transfer `transfer` to shard `to`
+    /// (`lend.lua`), and remembers whether it had none.
+    async fn lend(
+        &self,
+        lender: &Keys,
+        transfer: &str,
+        need: i64,
+        to: u8,
+        now_ms: i64,
+    ) -> RedisResult<Lent> {
+        let lent = Lent::decode(
+            self.run(
+                &self.lend,
+                &[&lender.stock, &lender.lent, &lender.epoch, &lender.restock],
+                &[arg(transfer), arg(need), arg(to), arg(now_ms)],
+            )
+            .await?,
+        );
+        let dry = match lent {
+            Lent::Dry { restock } => Some(restock),
+            _ => None,
+        };
+        self.dry.mark(&lender.stock, dry);
+        Ok(lent)
     }
 
     async fn reserve_on(
@@ -154,24 +208,61 @@ impl StockStore {
         if let Some((id, units, epoch)) = transfer {
             args.extend([arg(id), arg(units), arg(epoch)]);
         }
-        let (code, value, restock): (i64, String, i64) = self
+        let reply = self
             .run(&self.reserve, &k.reserve_script_keys(), &args)
             .await?;
-        Ok(ShardReserve::Done(match code {
-            1 => ReserveOutcome::Reserved {
-                reservation_id: value,
-            },
-            0 => ReserveOutcome::AlreadyReserved {
-                reservation_id: value,
-            },
-            -1 => {
-                return Ok(ShardReserve::Dry {
-                    left: value.parse().unwrap_or(0),
-                    restock,
-                })
+        Ok(ShardReserve::decode(reply))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_replies_decode() {
+        let s = |v: &str| v.to_owned();
+        let done = |o| ShardReserve::Done(o);
+        assert_eq!(
+            ShardReserve::decode((1, s("r1"), 0)),
+            done(ReserveOutcome::Reserved {
+                reservation_id: s("r1")
+            })
+        );
+        assert_eq!(
+            ShardReserve::decode((0, s("r0"), 0)),
+            done(ReserveOutcome::AlreadyReserved {
+                reservation_id: s("r0")
+            })
+        );
+        assert_eq!(
+            ShardReserve::decode((-1, s("2"), 5)),
+            ShardReserve::Dry {
+                left: 2,
+                restock: 5
             }
-            -4 => ReserveOutcome::Paused,
-            _ => ReserveOutcome::NotLoaded,
-        }))
+        );
+        assert_eq!(
+            ShardReserve::decode((-4, s(""), 0)),
+            done(ReserveOutcome::Paused)
+        );
+        assert_eq!(
+            ShardReserve::decode((-3, s(""), 0)),
+            done(ReserveOutcome::NotLoaded)
+        );
+    }
+
+    #[test]
+    fn lend_replies_decode() {
+        let s = |v: &str| v.to_owned();
+        assert_eq!(Lent::decode((-3, s(""), 0)), Lent::NotLoaded);
+        assert_eq!(Lent::decode((0, s("4"), 9)), Lent::Dry { restock: 9 });
+        assert_eq!(
+            Lent::decode((2, s("4"), 9)),
+            Lent::Units {
+                units: 2,
+                epoch: s("4")
+            }
+        );
     }
 }
