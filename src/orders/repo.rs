@@ -1,7 +1,13 @@
 //! MySQL access for orders.
 
+mod decide;
+
+use std::collections::{HashMap, HashSet};
+
 use chrono::{DateTime, Utc};
-use sqlx::MySqlPool;
+use sqlx::{MySqlConnection, MySqlPool};
+
+use decide::{decide, Known, Locked, NewOrder, Plan};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OrderStatus {
@@ -206,228 +212,23 @@ impl OrderRepo {
     /// `new_rows` says, under the same lock and unique keys whoever calls it: the
     /// consumer, a request withdrawing its own reservation, the reconciler.
     /// Whichever comes first decides; the others find the decision.
+    ///
+    /// Three steps in one transaction: read what MySQL holds for the batch (its
+    /// activities locked first), decide in memory (`decide`), write.
     pub async fn apply(
         &self,
         batch: &[Incoming],
         new_rows: NewRows,
     ) -> Result<Vec<Decision>, sqlx::Error> {
-        use std::collections::{HashMap, HashSet};
-
         if batch.is_empty() {
             return Ok(Vec::new());
         }
-        let mut ids: Vec<&str> = batch.iter().map(|m| m.activity_id.as_str()).collect();
-        ids.sort_unstable();
-        ids.dedup();
-
         let mut tx = self.pool.begin().await?;
-        let sql = format!(
-            "SELECT id, payment_timeout_secs, available FROM activities WHERE id IN ({}) ORDER BY id FOR UPDATE",
-            placeholders(ids.len())
-        );
-        let mut q = sqlx::query_as::<_, (String, u32, i32)>(&sql);
-        for id in &ids {
-            q = q.bind(*id);
-        }
-        let mut activities: HashMap<String, (u32, i64)> = q
-            .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .map(|(id, timeout, available)| (id, (timeout, i64::from(available))))
-            .collect();
-
-        // What already exists, for these reservations or these users.
-        let mut sql = format!(
-            "SELECT reservation_id, activity_id, user_id, status = 'failed' FROM orders WHERE reservation_id IN ({})",
-            placeholders(batch.len())
-        );
-        let mut users_by_activity: HashMap<&str, Vec<&str>> = HashMap::new();
-        for m in batch {
-            users_by_activity
-                .entry(m.activity_id.as_str())
-                .or_default()
-                .push(m.user_id.as_str());
-        }
-        for users in users_by_activity.values() {
-            sql.push_str(&format!(
-                " OR (activity_id = ? AND user_id IN ({}))",
-                placeholders(users.len())
-            ));
-        }
-        let mut q = sqlx::query_as::<_, (String, String, String, bool)>(&sql);
-        for m in batch {
-            q = q.bind(&m.reservation_id);
-        }
-        for (activity, users) in &users_by_activity {
-            q = q.bind(*activity);
-            for u in users {
-                q = q.bind(*u);
-            }
-        }
-        let existing = q.fetch_all(&mut *tx).await?;
-        // Reservation -> whether its row is a failed one; users holding a live or
-        // cancelled order (a failed row spends no purchase right).
-        let mut known_reservations: HashMap<String, bool> = HashMap::new();
-        let mut known_users: HashSet<(String, String)> = HashSet::new();
-        for (reservation, activity, user, failed) in existing {
-            if !failed {
-                known_users.insert((activity, user));
-            }
-            known_reservations.insert(reservation, failed);
-        }
-        let sql = format!(
-            "SELECT reservation_id FROM withdrawals WHERE reservation_id IN ({})",
-            placeholders(batch.len())
-        );
-        let mut q = sqlx::query_as::<_, (String,)>(&sql);
-        for m in batch {
-            q = q.bind(&m.reservation_id);
-        }
-        let mut withdrawn: HashSet<String> = q
-            .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .map(|(r,)| r)
-            .collect();
-
-        let mut decisions = Vec::with_capacity(batch.len());
-        let mut rows: Vec<NewOrder> = Vec::new();
-        let mut withdrawals: Vec<(&Incoming, &'static str)> = Vec::new();
-        let mut taken: HashMap<&str, i64> = HashMap::new();
-        let mut redelivered: HashMap<&str, u32> = HashMap::new();
-        for m in batch {
-            let user_key = (m.activity_id.clone(), m.user_id.clone());
-            let decision = if let Some(failed) = known_reservations.get(&m.reservation_id) {
-                *redelivered.entry(m.reservation_id.as_str()).or_default() += 1;
-                if *failed {
-                    Decision::AlreadyFailed
-                } else {
-                    Decision::Duplicate
-                }
-            } else if withdrawn.contains(&m.reservation_id) {
-                Decision::Withdrawn
-            } else if let NewRows::Withdraw(reason) = new_rows {
-                withdrawals.push((m, reason));
-                withdrawn.insert(m.reservation_id.clone());
-                Decision::Withdrawn
-            } else if known_users.contains(&user_key) {
-                Decision::Superseded
-            } else {
-                let decision = match activities.get_mut(&m.activity_id) {
-                    None => {
-                        let reason = "unknown activity";
-                        rows.push(NewOrder::failed(m, reason, false));
-                        Decision::Failed { reason }
-                    }
-                    Some((timeout, available)) if *available >= i64::from(m.quantity) => {
-                        *available -= i64::from(m.quantity);
-                        *taken.entry(m.activity_id.as_str()).or_default() += i64::from(m.quantity);
-                        rows.push(NewOrder {
-                            m,
-                            status: "pending_payment",
-                            reason: None,
-                            timeout: Some(*timeout),
-                            returned: false,
-                        });
-                        known_users.insert(user_key);
-                        Decision::Ordered
-                    }
-                    Some(_) => {
-                        // Nothing is owed back: MySQL never had these units.
-                        rows.push(NewOrder::failed(m, "no units left in the database", true));
-                        Decision::Refused { available: 0 }
-                    }
-                };
-                known_reservations.insert(m.reservation_id.clone(), decision != Decision::Ordered);
-                decision
-            };
-            decisions.push(decision);
-        }
-        // A refusal reports MySQL's count as it will be committed.
-        for (m, d) in batch.iter().zip(decisions.iter_mut()) {
-            if let Decision::Refused { available } = d {
-                *available = activities.get(&m.activity_id).map_or(0, |(_, a)| *a);
-            }
-        }
-
-        for chunk in rows.chunks(500) {
-            let values =
-                vec!["(?, ?, ?, ?, ?, ?, ?, NOW(3), NOW(3) + INTERVAL ? SECOND)"; chunk.len()]
-                    .join(", ");
-            let sql = format!(
-                "INSERT INTO orders \
-                 (reservation_id, activity_id, user_id, quantity, status, failure_reason, units_returned, created_at, expires_at) \
-                 VALUES {values}"
-            );
-            let mut q = sqlx::query(&sql);
-            for row in chunk {
-                q = q
-                    .bind(&row.m.reservation_id)
-                    .bind(&row.m.activity_id)
-                    .bind(&row.m.user_id)
-                    .bind(row.m.quantity)
-                    .bind(row.status)
-                    .bind(row.reason)
-                    .bind(row.returned)
-                    // NULL seconds make a NULL deadline, right for a failed row.
-                    .bind(row.timeout);
-            }
-            q.execute(&mut *tx).await?;
-        }
-        for chunk in withdrawals.chunks(500) {
-            let values = vec!["(?, ?, ?, ?, ?)"; chunk.len()].join(", ");
-            let sql = format!(
-                "INSERT INTO withdrawals (reservation_id, activity_id, user_id, quantity, reason) \
-                 VALUES {values}"
-            );
-            let mut q = sqlx::query(&sql);
-            for (m, reason) in chunk {
-                q = q
-                    .bind(&m.reservation_id)
-                    .bind(&m.activity_id)
-                    .bind(&m.user_id)
-                    .bind(m.quantity)
-                    .bind(*reason);
-            }
-            q.execute(&mut *tx).await?;
-        }
-        for (activity, units) in &taken {
-            let done = sqlx::query(
-                "UPDATE activities SET available = available - ? WHERE id = ? AND available >= ?",
-            )
-            .bind(units)
-            .bind(activity)
-            .bind(units)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            if done != 1 {
-                // Impossible while the row is locked; refuse the batch rather than
-                // write orders without their units.
-                return Err(sqlx::Error::InvalidArgument(format!(
-                    "activity {activity} lost units under its lock"
-                )));
-            }
-        }
-        // Redeliveries are counted per reservation; grouped by count, that is one
-        // statement in the usual case (each seen once more).
-        let mut by_count: HashMap<u32, Vec<&str>> = HashMap::new();
-        for (reservation, n) in redelivered {
-            by_count.entry(n).or_default().push(reservation);
-        }
-        for (n, reservations) in by_count {
-            let sql = format!(
-                "UPDATE orders SET redeliveries = redeliveries + ? WHERE reservation_id IN ({})",
-                placeholders(reservations.len())
-            );
-            let mut q = sqlx::query(&sql).bind(n);
-            for r in reservations {
-                q = q.bind(r);
-            }
-            q.execute(&mut *tx).await?;
-        }
+        let known = read(&mut tx, batch).await?;
+        let plan = decide(batch, known, new_rows);
+        write(&mut tx, &plan).await?;
         tx.commit().await?;
-        Ok(decisions)
+        Ok(plan.decisions)
     }
 
     /// Marks that a failed or cancelled order's units are back in Redis.
@@ -611,28 +412,226 @@ pub enum PayOutcome {
     NotFound,
 }
 
-/// One row the batch inserts into `orders`.
-struct NewOrder<'a> {
-    m: &'a Incoming,
-    status: &'static str,
-    reason: Option<&'static str>,
-    timeout: Option<u32>,
-    /// Whether nothing is owed back to Redis for it.
-    returned: bool,
-}
-
-impl<'a> NewOrder<'a> {
-    fn failed(m: &'a Incoming, reason: &'static str, returned: bool) -> Self {
-        NewOrder {
-            m,
-            status: "failed",
-            reason: Some(reason),
-            timeout: None,
-            returned,
-        }
-    }
-}
-
 fn placeholders(n: usize) -> String {
     vec!["?"; n].join(",")
+}
+
+/// What MySQL holds for `batch`, its activities locked first (`FOR UPDATE`, in
+/// id order). Every path that creates orders takes this lock first, so while it
+/// is held nobody else inserts orders for these activities, and concurrent
+/// consumers queue here instead of deadlocking on the orders' unique indexes.
+async fn read(conn: &mut MySqlConnection, batch: &[Incoming]) -> Result<Known, sqlx::Error> {
+    let mut known = Known {
+        activities: lock_activities(conn, batch).await?,
+        ..Known::default()
+    };
+    existing_orders(conn, batch, &mut known).await?;
+    known.withdrawn = withdrawn(conn, batch).await?;
+    Ok(known)
+}
+
+async fn lock_activities(
+    conn: &mut MySqlConnection,
+    batch: &[Incoming],
+) -> Result<HashMap<String, Locked>, sqlx::Error> {
+    let mut ids: Vec<&str> = batch.iter().map(|m| m.activity_id.as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let sql = format!(
+        "SELECT id, payment_timeout_secs, available FROM activities WHERE id IN ({}) ORDER BY id FOR UPDATE",
+        placeholders(ids.len())
+    );
+    let mut q = sqlx::query_as::<_, (String, u32, i32)>(&sql);
+    for id in &ids {
+        q = q.bind(*id);
+    }
+    Ok(q.fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .map(|(id, payment_timeout_secs, available)| {
+            let locked = Locked {
+                payment_timeout_secs,
+                available: i64::from(available),
+            };
+            (id, locked)
+        })
+        .collect())
+}
+
+/// The orders that exist for the batch's reservations or its users, into
+/// `known.orders` and `known.buyers`.
+async fn existing_orders(
+    conn: &mut MySqlConnection,
+    batch: &[Incoming],
+    known: &mut Known,
+) -> Result<(), sqlx::Error> {
+    let mut sql = format!(
+        "SELECT reservation_id, activity_id, user_id, status = 'failed' FROM orders WHERE reservation_id IN ({})",
+        placeholders(batch.len())
+    );
+    let mut users_by_activity: HashMap<&str, Vec<&str>> = HashMap::new();
+    for m in batch {
+        users_by_activity
+            .entry(m.activity_id.as_str())
+            .or_default()
+            .push(m.user_id.as_str());
+    }
+    for users in users_by_activity.values() {
+        sql.push_str(&format!(
+            " OR (activity_id = ? AND user_id IN ({}))",
+            placeholders(users.len())
+        ));
+    }
+    let mut q = sqlx::query_as::<_, (String, String, String, bool)>(&sql);
+    for m in batch {
+        q = q.bind(&m.reservation_id);
+    }
+    for (activity, users) in &users_by_activity {
+        q = q.bind(*activity);
+        for u in users {
+            q = q.bind(*u);
+        }
+    }
+    for (reservation, activity, user, failed) in q.fetch_all(&mut *conn).await? {
+        if !failed {
+            known.buyers.insert((activity, user));
+        }
+        known.orders.insert(reservation, failed);
+    }
+    Ok(())
+}
+
+async fn withdrawn(
+    conn: &mut MySqlConnection,
+    batch: &[Incoming],
+) -> Result<HashSet<String>, sqlx::Error> {
+    let sql = format!(
+        "SELECT reservation_id FROM withdrawals WHERE reservation_id IN ({})",
+        placeholders(batch.len())
+    );
+    let mut q = sqlx::query_as::<_, (String,)>(&sql);
+    for m in batch {
+        q = q.bind(&m.reservation_id);
+    }
+    Ok(q.fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .map(|(r,)| r)
+        .collect())
+}
+
+/// Writes what the batch decided, in a handful of statements whatever its size:
+/// multi-row inserts of the new orders (and failed ones) and of the withdrawals,
+/// one guarded update per activity taking the units, and the redeliveries
+/// counted.
+async fn write(conn: &mut MySqlConnection, plan: &Plan<'_>) -> Result<(), sqlx::Error> {
+    insert_orders(conn, &plan.orders).await?;
+    insert_withdrawals(conn, &plan.withdrawals).await?;
+    take_units(conn, &plan.taken).await?;
+    count_redeliveries(conn, &plan.redelivered).await
+}
+
+async fn insert_orders(
+    conn: &mut MySqlConnection,
+    rows: &[NewOrder<'_>],
+) -> Result<(), sqlx::Error> {
+    for chunk in rows.chunks(500) {
+        let values = vec!["(?, ?, ?, ?, ?, ?, ?, NOW(3), NOW(3) + INTERVAL ? SECOND)"; chunk.len()]
+            .join(", ");
+        let sql = format!(
+            "INSERT INTO orders \
+             (reservation_id, activity_id, user_id, quantity, status, failure_reason, units_returned, created_at, expires_at) \
+             VALUES {values}"
+        );
+        let mut q = sqlx::query(&sql);
+        for row in chunk {
+            q = q
+                .bind(&row.m.reservation_id)
+                .bind(&row.m.activity_id)
+                .bind(&row.m.user_id)
+                .bind(row.m.quantity)
+                .bind(row.status)
+                .bind(row.reason)
+                .bind(row.returned)
+                // NULL seconds make a NULL deadline, right for a failed row.
+                .bind(row.timeout);
+        }
+        q.execute(&mut *conn).await?;
+    }
+    Ok(())
+}
+
+async fn insert_withdrawals(
+    conn: &mut MySqlConnection,
+    withdrawals: &[(&Incoming, &'static str)],
+) -> Result<(), sqlx::Error> {
+    for chunk in withdrawals.chunks(500) {
+        let values = vec!["(?, ?, ?, ?, ?)"; chunk.len()].join(", ");
+        let sql = format!(
+            "INSERT INTO withdrawals (reservation_id, activity_id, user_id, quantity, reason) \
+             VALUES {values}"
+        );
+        let mut q = sqlx::query(&sql);
+        for (m, reason) in chunk {
+            q = q
+                .bind(&m.reservation_id)
+                .bind(&m.activity_id)
+                .bind(&m.user_id)
+                .bind(m.quantity)
+                .bind(*reason);
+        }
+        q.execute(&mut *conn).await?;
+    }
+    Ok(())
+}
+
+/// Takes the new orders' units: `available >= taken` holds under the lock, and
+/// MySQL's check constraint backs it.
+async fn take_units(
+    conn: &mut MySqlConnection,
+    taken: &HashMap<&str, i64>,
+) -> Result<(), sqlx::Error> {
+    for (activity, units) in taken {
+        let done = sqlx::query(
+            "UPDATE activities SET available = available - ? WHERE id = ? AND available >= ?",
+        )
+        .bind(units)
+        .bind(activity)
+        .bind(units)
+        .execute(&mut *conn)
+        .await?
+        .rows_affected();
+        if done != 1 {
+            // Impossible while the row is locked; refuse the batch rather than
+            // write orders without their units.
+            return Err(sqlx::Error::InvalidArgument(format!(
+                "activity {activity} lost units under its lock"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Redeliveries are counted per reservation; grouped by count, that is one
+/// statement in the usual case (each seen once more).
+async fn count_redeliveries(
+    conn: &mut MySqlConnection,
+    redelivered: &HashMap<&str, u32>,
+) -> Result<(), sqlx::Error> {
+    let mut by_count: HashMap<u32, Vec<&str>> = HashMap::new();
+    for (reservation, n) in redelivered {
+        by_count.entry(*n).or_default().push(reservation);
+    }
+    for (n, reservations) in by_count {
+        let sql = format!(
+            "UPDATE orders SET redeliveries = redeliveries + ? WHERE reservation_id IN ({})",
+            placeholders(reservations.len())
+        );
+        let mut q = sqlx::query(&sql).bind(n);
+        for r in reservations {
+            q = q.bind(r);
+        }
+        q.execute(&mut *conn).await?;
+    }
+    Ok(())
 }

@@ -544,49 +544,11 @@ impl Reconciler {
             };
             let acked: Vec<Incoming> = acked.into_iter().map(to_incoming).collect();
             if !acked.is_empty() {
-                // The consumer's own write: one batch, then one by one if MySQL
-                // refuses some as bad data (those are withdrawn and reported), so
-                // one bad reservation never blocks the others. MySQL errors are
-                // retried for a while, then left for the next pass.
-                let deadline = CancellationToken::new();
-                let timer = {
-                    let deadline = deadline.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep(HONOUR_TIMEOUT).await;
-                        deadline.cancel();
-                    })
-                };
-                let written = writer.write(&acked, &deadline).await;
-                timer.abort();
-                let (decisions, refused) = written.ok_or_else(|| {
-                    anyhow::anyhow!(
-                        "MySQL did not take the honoured orders within {HONOUR_TIMEOUT:?}"
-                    )
-                })?;
-                for (i, reason) in refused {
-                    if let Some(m) = acked.get(i) {
-                        tracing::error!(incident = true, reservation_id = %m.reservation_id, %reason, "an acknowledged reservation's order was refused as bad data");
-                    }
-                }
-                let honoured = report.tally(&decisions, &Decision::Ordered);
-                report.honoured += honoured;
-                metrics::counter!("flashsale_reconcile_honoured_reservations_total")
-                    .increment(honoured as u64);
-                writer.settle(&acked, &decisions).await;
+                honour(&writer, &acked, report).await?;
             }
             let unacked: Vec<Incoming> = unacked.into_iter().map(to_incoming).collect();
             if !unacked.is_empty() {
-                let decided = writer
-                    .withdraw(
-                        &unacked,
-                        "withdrawn by the reconciler before it reached an order",
-                    )
-                    .await?;
-                let decisions: Vec<Decision> = decided.into_iter().map(|(_, d)| d).collect();
-                let withdrawn = report.tally(&decisions, &Decision::Withdrawn);
-                report.withdrawn += withdrawn;
-                metrics::counter!("flashsale_reconcile_withdrawn_reservations_total")
-                    .increment(withdrawn as u64);
+                withdraw(&writer, &unacked, report).await?;
             }
             if !full {
                 return Ok(());
@@ -615,6 +577,28 @@ impl Reconciler {
         Ok(added)
     }
 
+    /// Every MySQL figure the audit needs, fresh: (stock, available, units in
+    /// live orders, units owed to Redis).
+    async fn mysql_figures(
+        &self,
+        activity_id: &str,
+    ) -> Result<(i64, i64, i64, Vec<(String, u32)>), sqlx::Error> {
+        let fresh = self
+            .activities
+            .get(activity_id)
+            .await?
+            .ok_or(sqlx::Error::RowNotFound)?;
+        let live = self.orders.live_units(activity_id).await?;
+        // Top-ups not yet in Redis among them, like refunds.
+        let owed = self.orders.owed_to_redis(activity_id).await?;
+        Ok((
+            i64::from(fresh.stock),
+            i64::from(fresh.available),
+            live,
+            owed,
+        ))
+    }
+
     async fn audit(&self, activity: &Activity, report: &mut Report) -> anyhow::Result<()> {
         // Every MySQL figure fresh, and read before Redis (as the stale check
         // reads the builds): a change MySQL commits after this read is either
@@ -623,23 +607,7 @@ impl Reconciler {
         // from an instance's cache, a second old: a top-up's units in its `stock`
         // would be missing, and the new units in Redis would read as drift and be
         // "repaired" away.
-        let read_mysql = || async {
-            let fresh = self
-                .activities
-                .get(&activity.id)
-                .await?
-                .ok_or(sqlx::Error::RowNotFound)?;
-            let live = self.orders.live_units(&activity.id).await?;
-            // Top-ups not yet in Redis among them, like refunds.
-            let owed = self.orders.owed_to_redis(&activity.id).await?;
-            Ok::<_, sqlx::Error>((
-                i64::from(fresh.stock),
-                i64::from(fresh.available),
-                live,
-                owed,
-            ))
-        };
-        let (total, available, live, owed) = read_mysql().await?;
+        let (total, available, live, owed) = self.mysql_figures(&activity.id).await?;
         report.mysql = MysqlFigures {
             stock: total,
             available,
@@ -669,13 +637,27 @@ impl Reconciler {
         }
         metrics::counter!("flashsale_reconcile_drift_found_total").increment(1);
         tracing::warn!(activity_id = %activity.id, drift = report.drift, ?audit, "Redis stock differs from MySQL");
+        self.repair(activity, (total, live, &owed), &audit, report)
+            .await
+    }
+
+    /// Repairs the drift `audit` found, unless the consumers still have lag or
+    /// MySQL's figures (`seen`: stock, live units, owed units) or Redis changed
+    /// since they were read.
+    async fn repair(
+        &self,
+        activity: &Activity,
+        (total, live, owed): (i64, i64, &[(String, u32)]),
+        audit: &Audit,
+        report: &mut Report,
+    ) -> anyhow::Result<()> {
         if report.consumer_lag != Some(0) {
             report
                 .refused
                 .push("repair refused: the consumers still have lag".into());
             return Ok(());
         }
-        let (total_again, _, live_again, owed_again) = read_mysql().await?;
+        let (total_again, _, live_again, owed_again) = self.mysql_figures(&activity.id).await?;
         if total_again != total || live_again != live || owed_again != owed {
             report
                 .refused
@@ -684,7 +666,14 @@ impl Reconciler {
         }
         let repaired = self
             .stock
-            .repair(&activity.id, shards, total, live, &owed, &audit)
+            .repair(
+                &activity.id,
+                activity.stock_shards,
+                total,
+                live,
+                owed,
+                audit,
+            )
             .await?;
         report.repaired = repaired.repaired;
         if repaired.repaired {
@@ -831,4 +820,58 @@ impl Report {
         }
         s
     }
+}
+
+/// Makes orders of acknowledged reservations: the consumer's own write, one
+/// batch, then one by one if MySQL refuses some as bad data (those are withdrawn
+/// and reported), so one bad reservation never blocks the others. MySQL errors
+/// are retried for a while, then left for the next pass.
+async fn honour(
+    writer: &OrderWriter,
+    acked: &[Incoming],
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let deadline = CancellationToken::new();
+    let timer = {
+        let deadline = deadline.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(HONOUR_TIMEOUT).await;
+            deadline.cancel();
+        })
+    };
+    let written = writer.write(acked, &deadline).await;
+    timer.abort();
+    let (decisions, refused) = written.ok_or_else(|| {
+        anyhow::anyhow!("MySQL did not take the honoured orders within {HONOUR_TIMEOUT:?}")
+    })?;
+    for (i, reason) in refused {
+        if let Some(m) = acked.get(i) {
+            tracing::error!(incident = true, reservation_id = %m.reservation_id, %reason, "an acknowledged reservation's order was refused as bad data");
+        }
+    }
+    let honoured = report.tally(&decisions, &Decision::Ordered);
+    report.honoured += honoured;
+    metrics::counter!("flashsale_reconcile_honoured_reservations_total").increment(honoured as u64);
+    writer.settle(acked, &decisions).await;
+    Ok(())
+}
+
+/// Withdraws reservations never acknowledged: they never become orders.
+async fn withdraw(
+    writer: &OrderWriter,
+    unacked: &[Incoming],
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let decided = writer
+        .withdraw(
+            unacked,
+            "withdrawn by the reconciler before it reached an order",
+        )
+        .await?;
+    let decisions: Vec<Decision> = decided.into_iter().map(|(_, d)| d).collect();
+    let withdrawn = report.tally(&decisions, &Decision::Withdrawn);
+    report.withdrawn += withdrawn;
+    metrics::counter!("flashsale_reconcile_withdrawn_reservations_total")
+        .increment(withdrawn as u64);
+    Ok(())
 }

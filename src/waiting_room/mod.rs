@@ -96,6 +96,90 @@ pub enum Turn {
     None,
 }
 
+/// What `join.lua` answered.
+#[derive(Debug, PartialEq, Eq)]
+enum Joined {
+    /// Joined just now, with this arrival number, `early` or `late`.
+    Now { seq: String, kind: String },
+    /// Joined before, with this arrival number.
+    Before { seq: String },
+    /// The room is being rebuilt after Redis lost it.
+    Rebuilding,
+}
+
+impl Joined {
+    /// `{1, seq, kind}` joined now, `{0, seq, ""}` joined before, `{-1, "", ""}`
+    /// rebuilding.
+    fn decode((code, seq, kind): (i64, String, String)) -> Self {
+        match code {
+            1 => Joined::Now { seq, kind },
+            c if c < 0 => Joined::Rebuilding,
+            _ => Joined::Before { seq },
+        }
+    }
+}
+
+impl Place {
+    /// `status.lua`'s `{state, arrival number, users ahead (-1: not drawn or not
+    /// waiting), admitted until ms (-1: not admitted)}`.
+    fn decode(a: &Activity, (state, seq, ahead, until): (String, String, i64, i64)) -> Self {
+        let ticket = ticket(a, &seq);
+        match state.as_str() {
+            "none" => Place::None,
+            "admitted" => Place::Admitted {
+                ticket,
+                until: (until >= 0)
+                    .then(|| DateTime::from_timestamp_millis(until))
+                    .flatten(),
+            },
+            "sold_out" => Place::SoldOut { ticket },
+            "expired" => Place::Expired { ticket },
+            _ => Place::Waiting {
+                ticket,
+                ahead: u64::try_from(ahead).ok(),
+            },
+        }
+    }
+}
+
+impl Turn {
+    /// `turn.lua`'s 1 (may reserve), 2 (ran out) or 0 (not admitted).
+    fn decode(code: i64) -> Self {
+        match code {
+            1 => Turn::Held,
+            2 => Turn::RanOut,
+            _ => Turn::None,
+        }
+    }
+}
+
+/// What `seal.lua` answered.
+#[derive(Debug, PartialEq)]
+enum Sealed {
+    /// Before the draw is due: nothing sealed.
+    Early,
+    /// Sealed: every early joiner with their arrival number.
+    Due(Vec<(String, f64)>),
+}
+
+impl Sealed {
+    /// `{"due", user, arrival, user, arrival, …}`, or `{"early"}`.
+    fn decode(reply: Vec<String>) -> Self {
+        match reply.split_first() {
+            Some((head, joined)) if head == "due" => Sealed::Due(
+                joined
+                    .chunks(2)
+                    .filter_map(|pair| match pair {
+                        [user, score] => Some((user.clone(), score.parse().ok()?)),
+                        _ => None,
+                    })
+                    .collect(),
+            ),
+            _ => Sealed::Early,
+        }
+    }
+}
+
 /// What the operators see of a waiting room.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct RoomFigures {
@@ -188,8 +272,8 @@ impl WaitingRoom {
     pub async fn join(&self, a: &Activity, user: &str) -> RedisResult<Option<(String, bool)>> {
         let lost_after =
             a.starts_at + chrono::Duration::from_std(DRAW_GRACE * 2).unwrap_or_default();
-        let (new, seq, kind): (i64, String, String) = self
-            .run(
+        let joined = Joined::decode(
+            self.run(
                 a,
                 &self.join,
                 &[
@@ -199,49 +283,32 @@ impl WaitingRoom {
                     arg(LATE_PLACES),
                 ],
             )
-            .await?;
-        if new < 0 {
-            return Ok(None);
-        }
-        if new == 1 {
-            if let Ok(seq) = seq.parse() {
-                self.joins.record(&a.id, user, &kind, seq).await;
+            .await?,
+        );
+        Ok(match joined {
+            Joined::Rebuilding => None,
+            Joined::Now { seq, kind } => {
+                if let Ok(n) = seq.parse() {
+                    self.joins.record(&a.id, user, &kind, n).await;
+                }
+                Some((ticket(a, &seq), true))
             }
-        }
-        Ok(Some((ticket(a, &seq), new == 1)))
+            Joined::Before { seq } => Some((ticket(a, &seq), false)),
+        })
     }
 
     /// Where `user` stands, in one round trip.
     pub async fn place(&self, a: &Activity, user: &str, now: DateTime<Utc>) -> RedisResult<Place> {
-        let (state, seq, ahead, until): (String, String, i64, i64) = self
+        let status = self
             .run(a, &self.status, &[arg(user), arg(ms(now))])
             .await?;
-        let ticket = ticket(a, &seq);
-        Ok(match state.as_str() {
-            "none" => Place::None,
-            "admitted" => Place::Admitted {
-                ticket,
-                until: (until >= 0)
-                    .then(|| DateTime::from_timestamp_millis(until))
-                    .flatten(),
-            },
-            "sold_out" => Place::SoldOut { ticket },
-            "expired" => Place::Expired { ticket },
-            _ => Place::Waiting {
-                ticket,
-                ahead: u64::try_from(ahead).ok(),
-            },
-        })
+        Ok(Place::decode(a, status))
     }
 
     /// Whether `user` holds a turn now (or has reserved already).
     pub async fn turn(&self, a: &Activity, user: &str, now: DateTime<Utc>) -> RedisResult<Turn> {
-        let turn: i64 = self.run(a, &self.turn, &[arg(user), arg(ms(now))]).await?;
-        Ok(match turn {
-            1 => Turn::Held,
-            2 => Turn::RanOut,
-            _ => Turn::None,
-        })
+        let turn = self.run(a, &self.turn, &[arg(user), arg(ms(now))]).await?;
+        Ok(Turn::decode(turn))
     }
 
     /// Settles `user`'s turn: their reservation was accepted.
@@ -363,8 +430,20 @@ impl WaitingRoom {
             .chain(restored.iter().map(|(_, _, seq)| *seq))
             .max()
             .unwrap_or(0);
-        // A room rebuilt after a loss: its joiners (early ones too, if it was
-        // lost before its draw) and settled turns, before it is sealed.
+        self.restore_journal(a, &restored).await?;
+        let Sealed::Due(joined) = self.seal_early_joins(a, highest).await? else {
+            return Ok(());
+        };
+        let (seed, order) = match recorded {
+            Some(draw) => draw,
+            None => self.new_draw(a, joined).await?,
+        };
+        self.write_draw(a, seed, &order).await
+    }
+
+    /// A room rebuilt after a loss: its joiners (early ones too, if it was lost
+    /// before its draw) and settled turns, before it is sealed.
+    async fn restore_journal(&self, a: &Activity, restored: &[JournalRow]) -> anyhow::Result<()> {
         for chunk in restored.chunks(DRAW_CHUNK) {
             let mut args = Vec::with_capacity(chunk.len() * 3);
             for (user, what, seq) in chunk {
@@ -372,48 +451,54 @@ impl WaitingRoom {
             }
             let _: i64 = self.run(a, &self.restore, &args).await?;
         }
+        Ok(())
+    }
+
+    /// Seals the early joins once the draw is due, numbering any join after
+    /// that above `highest`.
+    async fn seal_early_joins(&self, a: &Activity, highest: u64) -> anyhow::Result<Sealed> {
         let due = a.starts_at + chrono::Duration::from_std(DRAW_GRACE).unwrap_or_default();
-        let sealed: Vec<String> = self
+        let sealed = self
             .run(a, &self.seal, &[arg(ms(due)), arg(highest)])
             .await?;
-        let Some((head, joined)) = sealed.split_first() else {
-            return Ok(());
-        };
-        if head != "due" {
-            return Ok(());
-        }
-        let joined: Vec<(String, f64)> = joined
-            .chunks(2)
-            .filter_map(|pair| match pair {
-                [user, score] => Some((user.clone(), score.parse().ok()?)),
-                _ => None,
+        Ok(Sealed::decode(sealed))
+    }
+
+    /// Draws the early joiners' order and records it in MySQL, or takes the
+    /// draw another instance recorded first.
+    async fn new_draw(
+        &self,
+        a: &Activity,
+        joined: Vec<(String, f64)>,
+    ) -> anyhow::Result<(u64, Vec<(String, u64)>)> {
+        let arrivals: Vec<(String, u64)> = joined.into_iter().map(|(u, s)| (u, s as u64)).collect();
+        let seed = new_seed();
+        let users: Vec<String> = arrivals.iter().map(|(u, _)| u.clone()).collect();
+        let seq_of: HashMap<String, u64> = arrivals.into_iter().collect();
+        let order: Vec<(String, u64)> = draw_order(&users, seed)
+            .into_iter()
+            .map(|u| {
+                let seq = seq_of.get(&u).copied().unwrap_or(0);
+                (u, seq)
             })
             .collect();
-        let (seed, order) = match recorded {
-            Some(draw) => draw,
-            None => {
-                let arrivals: Vec<(String, u64)> =
-                    joined.into_iter().map(|(u, s)| (u, s as u64)).collect();
-                let seed = new_seed();
-                let users: Vec<String> = arrivals.iter().map(|(u, _)| u.clone()).collect();
-                let seq_of: HashMap<String, u64> = arrivals.into_iter().collect();
-                let order: Vec<(String, u64)> = draw_order(&users, seed)
-                    .into_iter()
-                    .map(|u| {
-                        let seq = seq_of.get(&u).copied().unwrap_or(0);
-                        (u, seq)
-                    })
-                    .collect();
-                if record_draw(&self.pool, &a.id, seed, &order).await? {
-                    tracing::info!(activity_id = %a.id, seed, joined = order.len(), "waiting room drawn");
-                    (seed, order)
-                } else {
-                    load_draw(&self.pool, &a.id)
-                        .await?
-                        .context("a draw recorded by another instance vanished")?
-                }
-            }
-        };
+        if record_draw(&self.pool, &a.id, seed, &order).await? {
+            tracing::info!(activity_id = %a.id, seed, joined = order.len(), "waiting room drawn");
+            Ok((seed, order))
+        } else {
+            load_draw(&self.pool, &a.id)
+                .await?
+                .context("a draw recorded by another instance vanished")
+        }
+    }
+
+    /// Writes the drawn places to Redis, then commits the draw.
+    async fn write_draw(
+        &self,
+        a: &Activity,
+        seed: u64,
+        order: &[(String, u64)],
+    ) -> anyhow::Result<()> {
         for (i, chunk) in order.chunks(DRAW_CHUNK).enumerate() {
             let mut args = vec![arg(seed), arg(i * DRAW_CHUNK)];
             for (user, seq) in chunk {
@@ -777,6 +862,33 @@ async fn admit_every_tick(room: &WaitingRoom, cache: &ActivityCache, shutdown: C
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn script_replies_decode() {
+        let s = |v: &str| v.to_owned();
+        assert_eq!(
+            Joined::decode((1, s("7"), s("late"))),
+            Joined::Now {
+                seq: s("7"),
+                kind: s("late")
+            }
+        );
+        assert_eq!(
+            Joined::decode((0, s("7"), s(""))),
+            Joined::Before { seq: s("7") }
+        );
+        assert_eq!(Joined::decode((-1, s(""), s(""))), Joined::Rebuilding);
+        assert_eq!(
+            [0, 1, 2].map(Turn::decode),
+            [Turn::None, Turn::Held, Turn::RanOut]
+        );
+        assert_eq!(Sealed::decode(vec![s("early")]), Sealed::Early);
+        assert_eq!(Sealed::decode(Vec::new()), Sealed::Early);
+        assert_eq!(
+            Sealed::decode(vec![s("due"), s("u1"), s("2"), s("u2"), s("x"), s("u3")]),
+            Sealed::Due(vec![(s("u1"), 2.0)])
+        );
+    }
 
     #[test]
     fn the_draw_is_a_permutation_replayed_from_its_seed() {

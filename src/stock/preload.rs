@@ -1,0 +1,106 @@
+//! Building an activity's Redis state from MySQL, and its open/paused switch.
+
+use redis::RedisResult;
+
+use super::{arg, deal, home_shard, shard_of, Build, Keys, StockStore};
+
+/// Which preload: see `preload.lua`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreloadMode {
+    /// Replace whatever is there (the operator's preload).
+    Force,
+    /// Build only when the activity is not loaded (the automatic rebuild).
+    Missing,
+}
+
+impl StockStore {
+    /// Builds the activity's Redis state from a MySQL snapshot (see `preload.lua`):
+    /// a split activity's units are dealt evenly over its shards, each buyer to
+    /// their home shard. Returns whether every shard was built (`Missing` leaves a
+    /// loaded shard alone; `Force` one that is selling).
+    pub async fn preload(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        build: &Build,
+        mode: PreloadMode,
+    ) -> RedisResult<bool> {
+        let units = deal(build.available, shards);
+        let mut all_built = true;
+        for (k, available) in Keys::all(activity_id, shards).into_iter().zip(units) {
+            let buyers: Vec<_> = build
+                .buyers
+                .iter()
+                .filter(|(user, _)| home_shard(user, shards) == k.shard)
+                .collect();
+            let mut args = vec![
+                arg(available),
+                arg(if build.paused { "paused" } else { "open" }),
+                arg(match mode {
+                    PreloadMode::Force => "force",
+                    PreloadMode::Missing => "missing",
+                }),
+                arg(build.epoch),
+                arg(buyers.len()),
+            ];
+            for (user, reservation) in buyers {
+                args.push(arg(user));
+                args.push(arg(reservation));
+            }
+            for reservation in &build.returned {
+                if shards <= 1 || shard_of(reservation).0 == k.shard {
+                    args.push(arg(reservation));
+                }
+            }
+            let built = self
+                .run(
+                    &self.preload,
+                    &[
+                        &k.stock,
+                        &k.buyers,
+                        &k.pending,
+                        &k.res,
+                        &k.refunded,
+                        &k.state,
+                        &k.epoch,
+                        &k.lent,
+                        &k.received,
+                        &k.restock,
+                    ],
+                    &args,
+                )
+                .await?;
+            all_built &= decode_preload(built);
+        }
+        self.gate.open(activity_id);
+        Ok(all_built)
+    }
+
+    /// Sets the live open/paused switch on every shard that holds the activity.
+    /// Returns whether every shard did.
+    pub async fn set_paused(
+        &self,
+        activity_id: &str,
+        shards: u8,
+        paused: bool,
+    ) -> RedisResult<bool> {
+        let mut all = true;
+        for k in Keys::all(activity_id, shards) {
+            let mut conn = self.conn.clone();
+            let set: Option<String> = redis::cmd("SET")
+                .arg(&k.state)
+                .arg(if paused { "paused" } else { "open" })
+                .arg("XX")
+                .query_async(&mut conn)
+                .await?;
+            all &= set.is_some();
+        }
+        Ok(all)
+    }
+}
+
+/// `preload.lua`'s 1 built, 0 left alone (`missing` found it loaded, `force`
+/// found it selling).
+fn decode_preload(n: i64) -> bool {
+    n == 1
+}
