@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use flashsale::auth::Auth;
 
+use crate::api::{Api, Caller};
 use crate::invariants::Answer;
 
 /// A fault's outage begins within this of its mark: a kill or a restart bites at
@@ -204,6 +205,10 @@ impl Prober {
         users: String,
         every: Duration,
     ) -> Prober {
+        let apis: Vec<Api> = targets
+            .iter()
+            .map(|base| Api::new(client.clone(), base, "").with_users(auth.clone()))
+            .collect();
         let samples = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let task = {
@@ -213,12 +218,10 @@ impl Prober {
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 let mut requests = Vec::new();
                 let mut i = 0usize;
-                while !stop.load(Ordering::SeqCst) && !targets.is_empty() {
+                while !stop.load(Ordering::SeqCst) && !apis.is_empty() {
                     tick.tick().await;
-                    let token = auth.issue(&format!("{users}{i}"), 3600).unwrap_or_default();
-                    let via = i % targets.len();
-                    let url = format!("{}/flash/{sku}/reserve", targets[via]);
-                    let request = client.post(url).bearer_auth(token);
+                    let via = i % apis.len();
+                    let request = apis[via].reserve(&sku, Caller::User(&format!("{users}{i}")));
                     let samples = samples.clone();
                     requests.push(tokio::spawn(async move {
                         let sample = Sample::take(request, via).await;

@@ -266,78 +266,19 @@ impl Probe {
             requests: answers.len(),
             ..Figures::default()
         };
-        let mut problems = Vec::new();
-        for a in answers {
-            let key = match (a.status, &a.code) {
-                (Some(s), Some(c)) => format!("{s} {c}"),
-                (Some(s), None) => s.to_string(),
-                (None, _) => "connection lost".into(),
-            };
-            *f.answers.entry(key).or_default() += 1;
-            match a.status {
-                Some(202) => f.accepted += 1,
-                Some(503) => f.refused_503 += 1,
-                None => f.lost_connections += 1,
-                _ => {}
-            }
-            if !a.documented() {
-                problems.push(format!(
-                    "an undocumented answer: {:?} {:?}",
-                    a.status, a.code
-                ));
-            }
-        }
-
+        let mut problems = tally_answers(answers, &mut f);
         let pool = self.pool().await?;
-        let (stock, available): (i64, i64) = sqlx::query_as(
-            "SELECT CAST(stock AS SIGNED), CAST(available AS SIGNED) FROM activities WHERE id = ?",
-        )
-        .bind(&self.activity_id)
-        .fetch_one(&pool)
-        .await
-        .map_err(|e| e.to_string())?;
-        let rows: Vec<(String, String, String, i64)> = sqlx::query_as(
-            "SELECT reservation_id, user_id, CAST(status AS CHAR), CAST(quantity AS SIGNED) \
-             FROM orders WHERE activity_id = ?",
-        )
-        .bind(&self.activity_id)
-        .fetch_all(&pool)
-        .await
-        .map_err(|e| e.to_string())?;
-        let (withdrawn, withdrawn_ordered): (i64, i64) = sqlx::query_as(
-            "SELECT CAST(COUNT(*) AS SIGNED), CAST(COALESCE(SUM(o.id IS NOT NULL), 0) AS SIGNED) \
-             FROM withdrawals w LEFT JOIN orders o ON o.reservation_id = w.reservation_id \
-             WHERE w.activity_id = ?",
-        )
-        .bind(&self.activity_id)
-        .fetch_one(&pool)
-        .await
-        .map_err(|e| e.to_string())?;
+        let Rows {
+            stock,
+            available,
+            orders,
+            withdrawn,
+            withdrawn_ordered,
+        } = self.rows(&pool).await?;
         let (snapshot, _) = self.redis_state(&pool).await?;
         pool.close().await;
         f.withdrawn = withdrawn;
-
-        let mut live_units = 0;
-        let mut holders: HashMap<&str, usize> = HashMap::new();
-        let mut fate: HashMap<&str, &str> = HashMap::new();
-        for (reservation, user, status, units) in &rows {
-            match status.as_str() {
-                "pending_payment" | "paid" => {
-                    live_units += units;
-                    f.live_orders += 1;
-                    if status == "paid" {
-                        f.paid += 1;
-                    }
-                }
-                "cancelled" => f.cancelled += 1,
-                _ => f.failed += 1,
-            }
-            if status != "failed" {
-                *holders.entry(user).or_default() += 1;
-            }
-            fate.insert(reservation, status);
-        }
-
+        let (live_units, holders, fate) = tally_orders(&orders, &mut f);
         let redis_stock = snapshot.stock.ok_or("Redis does not hold the activity")?;
 
         // 1. No oversell.
@@ -355,22 +296,7 @@ impl Probe {
             problems.push(format!("users with two orders: {doubles:?}"));
         }
         // 3. Every 202 kept; nothing withdrawn is an order.
-        let mut failed_after_202 = 0;
-        let mut missing = 0;
-        for a in answers.iter().filter(|a| a.status == Some(202)) {
-            match a.reservation_id.as_deref().and_then(|r| fate.get(r)) {
-                Some(&"failed") => failed_after_202 += 1,
-                Some(_) => f.accepted_ordered += 1,
-                None => missing += 1,
-            }
-        }
-        f.accepted_broken = failed_after_202 + missing;
-        if failed_after_202 > 0 {
-            problems.push(format!("{failed_after_202} answers of 202 ended failed"));
-        }
-        if missing > 0 {
-            problems.push(format!("{missing} answers of 202 are in no order"));
-        }
+        problems.extend(promises_kept(answers, &fate, &mut f));
         if withdrawn_ordered > 0 {
             problems.push(format!(
                 "{withdrawn_ordered} withdrawn reservations are orders too"
@@ -393,4 +319,126 @@ impl Probe {
             Err(format!("{}\nfigures: {f:?}", problems.join("\n")))
         }
     }
+
+    /// What MySQL holds of the sale.
+    async fn rows(&self, pool: &sqlx::MySqlPool) -> Result<Rows, String> {
+        let (stock, available): (i64, i64) = sqlx::query_as(
+            "SELECT CAST(stock AS SIGNED), CAST(available AS SIGNED) FROM activities WHERE id = ?",
+        )
+        .bind(&self.activity_id)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        let orders: Vec<(String, String, String, i64)> = sqlx::query_as(
+            "SELECT reservation_id, user_id, CAST(status AS CHAR), CAST(quantity AS SIGNED) \
+             FROM orders WHERE activity_id = ?",
+        )
+        .bind(&self.activity_id)
+        .fetch_all(pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        let (withdrawn, withdrawn_ordered): (i64, i64) = sqlx::query_as(
+            "SELECT CAST(COUNT(*) AS SIGNED), CAST(COALESCE(SUM(o.id IS NOT NULL), 0) AS SIGNED) \
+             FROM withdrawals w LEFT JOIN orders o ON o.reservation_id = w.reservation_id \
+             WHERE w.activity_id = ?",
+        )
+        .bind(&self.activity_id)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        Ok(Rows {
+            stock,
+            available,
+            orders,
+            withdrawn,
+            withdrawn_ordered,
+        })
+    }
+}
+
+/// MySQL's side of a sale: the activity's counts, its orders (reservation,
+/// user, status, units) and its withdrawals.
+struct Rows {
+    stock: i64,
+    available: i64,
+    orders: Vec<(String, String, String, i64)>,
+    withdrawn: i64,
+    withdrawn_ordered: i64,
+}
+
+/// Counts the answers by kind; an undocumented one is a problem.
+fn tally_answers(answers: &[Answer], f: &mut Figures) -> Vec<String> {
+    let mut problems = Vec::new();
+    for a in answers {
+        let key = match (a.status, &a.code) {
+            (Some(s), Some(c)) => format!("{s} {c}"),
+            (Some(s), None) => s.to_string(),
+            (None, _) => "connection lost".into(),
+        };
+        *f.answers.entry(key).or_default() += 1;
+        match a.status {
+            Some(202) => f.accepted += 1,
+            Some(503) => f.refused_503 += 1,
+            None => f.lost_connections += 1,
+            _ => {}
+        }
+        if !a.documented() {
+            problems.push(format!(
+                "an undocumented answer: {:?} {:?}",
+                a.status, a.code
+            ));
+        }
+    }
+    problems
+}
+
+/// Counts the orders by status: the live units, how many orders each user
+/// holds (failed ones aside), and each reservation's fate.
+fn tally_orders<'a>(
+    orders: &'a [(String, String, String, i64)],
+    f: &mut Figures,
+) -> (i64, HashMap<&'a str, usize>, HashMap<&'a str, &'a str>) {
+    let mut live_units = 0;
+    let mut holders: HashMap<&str, usize> = HashMap::new();
+    let mut fate: HashMap<&str, &str> = HashMap::new();
+    for (reservation, user, status, units) in orders {
+        match status.as_str() {
+            "pending_payment" | "paid" => {
+                live_units += units;
+                f.live_orders += 1;
+                if status == "paid" {
+                    f.paid += 1;
+                }
+            }
+            "cancelled" => f.cancelled += 1,
+            _ => f.failed += 1,
+        }
+        if status != "failed" {
+            *holders.entry(user).or_default() += 1;
+        }
+        fate.insert(reservation, status);
+    }
+    (live_units, holders, fate)
+}
+
+/// Invariant 3's first half: every `202` is an order, never a failed one.
+fn promises_kept(answers: &[Answer], fate: &HashMap<&str, &str>, f: &mut Figures) -> Vec<String> {
+    let mut failed_after_202 = 0;
+    let mut missing = 0;
+    for a in answers.iter().filter(|a| a.status == Some(202)) {
+        match a.reservation_id.as_deref().and_then(|r| fate.get(r)) {
+            Some(&"failed") => failed_after_202 += 1,
+            Some(_) => f.accepted_ordered += 1,
+            None => missing += 1,
+        }
+    }
+    f.accepted_broken = failed_after_202 + missing;
+    let mut problems = Vec::new();
+    if failed_after_202 > 0 {
+        problems.push(format!("{failed_after_202} answers of 202 ended failed"));
+    }
+    if missing > 0 {
+        problems.push(format!("{missing} answers of 202 are in no order"));
+    }
+    problems
 }

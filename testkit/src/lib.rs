@@ -3,6 +3,8 @@
 //! opens sales, waits and checks the invariants through it, so a fix to any of
 //! these lands once.
 //!
+//! - [`api`]: the service's endpoints, one method each, as a client calls them;
+//! - [`database`]: a test's own MySQL database, dropped when the test is done;
 //! - [`process`]: real processes on loopback (the `flashsale` binary, and a Redis,
 //!   replica, MariaDB or broker of a test's own), killable, pausable, restartable;
 //! - [`relay`]: a TCP relay a test can cut or point elsewhere (an outage, a
@@ -12,8 +14,10 @@
 //! - [`invariants`]: waiting until a sale is quiet, then checking DESIGN.md's four
 //!   invariants against MySQL, Redis and the answers the clients got.
 
+pub mod api;
 pub mod availability;
 pub mod browser;
+pub mod database;
 pub mod invariants;
 pub mod process;
 pub mod relay;
@@ -22,6 +26,11 @@ pub mod sale;
 pub mod stats;
 
 use std::time::{Duration, Instant};
+
+/// The Kafka-protocol broker the tests use when they start none of their own.
+pub fn kafka_brokers() -> String {
+    std::env::var("FLASHSALE_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
 
 /// A name no other test uses: databases, topics, groups, SKUs.
 pub fn unique(prefix: &str) -> String {

@@ -27,73 +27,27 @@ impl Relay {
             .set_nonblocking(true)
             .expect("a non-blocking relay socket");
         let port = listener.local_addr().expect("relay address").port();
-        let up = Arc::new(AtomicBool::new(true));
-        let refused = Arc::new(AtomicUsize::new(0));
-        let cut = Arc::new(tokio::sync::Notify::new());
-        let stop = Arc::new(tokio::sync::Notify::new());
-        let upstream = Arc::new(Mutex::new(upstream.to_owned()));
-        let held = Arc::new(tokio::sync::watch::Sender::new(false));
-        let sent = Arc::new(AtomicU64::new(0));
-        let sent2 = sent.clone();
-        let (up2, refused2, cut2, upstream2, stop2, held2) = (
-            up.clone(),
-            refused.clone(),
-            cut.clone(),
-            upstream.clone(),
-            stop.clone(),
-            held.clone(),
-        );
-        let accept = async move {
-            let listener =
-                tokio::net::TcpListener::from_std(listener).expect("a tokio relay socket");
-            loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
-                    continue;
-                };
-                if !up2.load(Ordering::SeqCst) {
-                    refused2.fetch_add(1, Ordering::SeqCst);
-                    drop(inbound);
-                    continue;
-                }
-                let target = upstream2
-                    .lock()
-                    .map(|t| t.clone())
-                    .unwrap_or_else(|p| p.into_inner().clone());
-                let cut = cut2.clone();
-                let mut held = held2.subscribe();
-                let sent = sent2.clone();
-                tokio::spawn(async move {
-                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                    let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
-                        return;
-                    };
-                    let (mut from_service, mut to_service) = inbound.split();
-                    let (mut from_upstream, mut to_upstream) = outbound.into_split();
-                    // What the service sends waits here while the relay is held.
-                    let requests = async {
-                        let mut buf = vec![0u8; 16 * 1024];
-                        loop {
-                            let n = match from_service.read(&mut buf).await {
-                                Ok(0) | Err(_) => break,
-                                Ok(n) => n,
-                            };
-                            sent.fetch_add(n as u64, Ordering::SeqCst);
-                            if held.wait_for(|h| !*h).await.is_err()
-                                || to_upstream.write_all(&buf[..n]).await.is_err()
-                            {
-                                break;
-                            }
-                        }
-                        let _ = to_upstream.shutdown().await;
-                    };
-                    let answers = tokio::io::copy(&mut from_upstream, &mut to_service);
-                    tokio::select! {
-                        _ = async { tokio::join!(requests, answers) } => {}
-                        _ = cut.notified() => {}
-                    }
-                });
-            }
+        let relay = Relay {
+            port,
+            up: Arc::new(AtomicBool::new(true)),
+            refused: Arc::new(AtomicUsize::new(0)),
+            cut: Arc::new(tokio::sync::Notify::new()),
+            upstream: Arc::new(Mutex::new(upstream.to_owned())),
+            stop: Arc::new(tokio::sync::Notify::new()),
+            held: Arc::new(tokio::sync::watch::Sender::new(false)),
+            sent: Arc::new(AtomicU64::new(0)),
         };
+        let shared = Shared {
+            up: relay.up.clone(),
+            refused: relay.refused.clone(),
+            cut: relay.cut.clone(),
+            upstream: relay.upstream.clone(),
+            held: relay.held.clone(),
+            sent: relay.sent.clone(),
+        };
+        let stop = relay.stop.clone();
+        // A thread and a runtime of its own: the relay keeps forwarding while the
+        // test's runtime is busy or blocked.
         std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -101,21 +55,12 @@ impl Relay {
                 .expect("a runtime for the relay");
             rt.block_on(async move {
                 tokio::select! {
-                    _ = stop2.notified() => {}
-                    _ = accept => {}
+                    _ = stop.notified() => {}
+                    _ = accept(listener, shared) => {}
                 }
             });
         });
-        Relay {
-            port,
-            up,
-            refused,
-            cut,
-            upstream,
-            stop,
-            held,
-            sent,
-        }
+        relay
     }
 
     /// Holds what the service sends from now on (its requests wait in the relay,
@@ -162,5 +107,81 @@ impl Drop for Relay {
     fn drop(&mut self) {
         // A stored permit: the relay stops even if it is not waiting yet.
         self.stop.notify_one();
+    }
+}
+
+/// What the relay's thread shares with its handle.
+#[derive(Clone)]
+struct Shared {
+    up: Arc<AtomicBool>,
+    refused: Arc<AtomicUsize>,
+    cut: Arc<tokio::sync::Notify>,
+    upstream: Arc<Mutex<String>>,
+    held: Arc<tokio::sync::watch::Sender<bool>>,
+    sent: Arc<AtomicU64>,
+}
+
+/// Takes connections while up (refuses them while down), each forwarded to
+/// the upstream of the moment.
+async fn accept(listener: std::net::TcpListener, shared: Shared) {
+    let listener = tokio::net::TcpListener::from_std(listener).expect("a tokio relay socket");
+    loop {
+        let Ok((inbound, _)) = listener.accept().await else {
+            continue;
+        };
+        if !shared.up.load(Ordering::SeqCst) {
+            shared.refused.fetch_add(1, Ordering::SeqCst);
+            drop(inbound);
+            continue;
+        }
+        let target = shared
+            .upstream
+            .lock()
+            .map(|t| t.clone())
+            .unwrap_or_else(|p| p.into_inner().clone());
+        let (cut, held, sent) = (
+            shared.cut.clone(),
+            shared.held.subscribe(),
+            shared.sent.clone(),
+        );
+        tokio::spawn(forward(inbound, target, cut, held, sent));
+    }
+}
+
+/// One connection both ways until either side closes it or the relay cuts it.
+async fn forward(
+    mut inbound: tokio::net::TcpStream,
+    target: String,
+    cut: Arc<tokio::sync::Notify>,
+    mut held: tokio::sync::watch::Receiver<bool>,
+    sent: Arc<AtomicU64>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+        return;
+    };
+    let (mut from_service, mut to_service) = inbound.split();
+    let (mut from_upstream, mut to_upstream) = outbound.into_split();
+    // What the service sends waits here while the relay is held.
+    let requests = async {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match from_service.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            sent.fetch_add(n as u64, Ordering::SeqCst);
+            if held.wait_for(|h| !*h).await.is_err()
+                || to_upstream.write_all(&buf[..n]).await.is_err()
+            {
+                break;
+            }
+        }
+        let _ = to_upstream.shutdown().await;
+    };
+    let answers = tokio::io::copy(&mut from_upstream, &mut to_service);
+    tokio::select! {
+        _ = async { tokio::join!(requests, answers) } => {}
+        _ = cut.notified() => {}
     }
 }

@@ -51,12 +51,11 @@ pub async fn open_sale(
     admin_token: &str,
     spec: &SaleSpec,
 ) -> Result<Sale, String> {
+    let api = crate::api::Api::new(client.clone(), base, admin_token);
     let sku = spec.sku.clone().unwrap_or_else(|| crate::unique("sku-"));
     let now = chrono::Utc::now();
-    let resp = client
-        .post(format!("{base}/admin/activities"))
-        .bearer_auth(admin_token)
-        .json(&json!({
+    let resp = api
+        .create_activity(&json!({
             "sku": sku,
             "stock": spec.stock,
             "per_user_limit": spec.per_user_limit,
@@ -80,9 +79,8 @@ pub async fn open_sale(
         .ok_or("the created sale has no id")?
         .to_owned();
     // Not loaded yet, so it is loaded whatever its window (API version 2).
-    let resp = client
-        .post(format!("{base}/admin/activities/{id}/preload"))
-        .bearer_auth(admin_token)
+    let resp = api
+        .preload(&id)
         .send()
         .await
         .map_err(|e| format!("preload the sale: {e}"))?;

@@ -9,11 +9,8 @@ use std::time::{Duration, Instant};
 use testkit::invariants::Answer;
 
 use crate::helpers::{
-    assert_error, eventually, order_counts, spawn_app, spawn_app_with, unique, with_workers, Relay,
-    TestApp,
+    assert_error, eventually, spawn_app, unique, Caller, Relay, Sale, TestApp, TestAppBuilder, WAIT,
 };
-
-const WAIT: Duration = Duration::from_secs(60);
 
 #[tokio::test]
 async fn create_returns_the_stored_activity_and_refuses_overlaps() {
@@ -77,22 +74,12 @@ async fn concurrent_overlapping_creations_store_one() {
     let start = Utc::now() + chrono::Duration::hours(1);
     let mut tasks = Vec::new();
     for _ in 0..8 {
-        let client = app.client.clone();
-        let url = app.url("/admin/activities");
-        let token = app.admin_token();
-        let body = json!({
+        let request = app.api.create_activity(&json!({
             "sku": sku, "stock": 10,
             "starts_at": start, "ends_at": start + chrono::Duration::hours(1),
-        });
+        }));
         tasks.push(tokio::spawn(async move {
-            client
-                .post(url)
-                .bearer_auth(token)
-                .json(&body)
-                .send()
-                .await
-                .expect("sent")
-                .status()
+            request.send().await.expect("sent").status()
         }));
     }
     let mut created = 0;
@@ -122,97 +109,75 @@ async fn preload_pause_resume_and_live_figures() {
     let body: Value = resp.json().await.expect("json");
     let id = body["id"].as_str().expect("id").to_owned();
 
-    // Not loaded yet: loaded whatever its window, even though it is open.
-    let resp = app
-        .admin_post(&format!("/admin/activities/{id}/preload"), None)
-        .await;
+    a_preload_loads_once_and_is_refused_while_selling(&app, &id).await;
+    a_paused_sale_preloads_again_and_refuses_buyers(&app, &id, &sku).await;
+
+    let resp = app.resume(&id).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let resp = app.reserve(&sku, "henry", None).await;
+    assert_eq!(resp.status(), StatusCode::ACCEPTED);
+    the_live_figures_show_the_reservation(&app, &id, &sku).await;
+
+    for step in ["preload", "pause", "resume"] {
+        let resp = app.admin_step("nope", step).await;
+        assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+    }
+    let resp = app.activity("nope").await;
+    assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+    app.stop().await;
+}
+
+/// Not loaded yet: loaded whatever its window, even though it is open. Loaded,
+/// open and not paused: a rebuild would race reservations in flight.
+async fn a_preload_loads_once_and_is_refused_while_selling(app: &TestApp, id: &str) {
+    let resp = app.preload(id).await;
     assert_eq!(resp.status(), StatusCode::OK);
     let body: Value = resp.json().await.expect("json");
     assert_eq!(body, json!({"stock": 7, "buyers": 0}));
     assert_eq!(
         app.state
             .stock
-            .stock_left(&id, 1)
+            .stock_left(id, 1)
             .await
             .expect("redis answers"),
         Some(7)
     );
-
-    // Loaded, open and not paused: a rebuild would race reservations in flight.
-    let resp = app
-        .admin_post(&format!("/admin/activities/{id}/preload"), None)
-        .await;
+    let resp = app.preload(id).await;
     assert_error(resp, StatusCode::CONFLICT, "conflict").await;
+}
 
-    let resp = app
-        .admin_post(&format!("/admin/activities/{id}/pause"), None)
-        .await;
+/// Paused, a sale preloads again, idempotently, and refuses reservations.
+async fn a_paused_sale_preloads_again_and_refuses_buyers(app: &TestApp, id: &str, sku: &str) {
+    let resp = app.pause(id).await;
     assert_eq!(resp.status(), StatusCode::OK);
     for _ in 0..2 {
         // Idempotent: the same state twice.
-        let resp = app
-            .admin_post(&format!("/admin/activities/{id}/preload"), None)
-            .await;
+        let resp = app.preload(id).await;
         assert_eq!(resp.status(), StatusCode::OK);
         let body: Value = resp.json().await.expect("json");
         assert_eq!(body, json!({"stock": 7, "buyers": 0}));
     }
-    let status: Value = app
-        .client
-        .get(app.url(&format!("/flash/{sku}")))
-        .send()
-        .await
-        .expect("sent")
-        .json()
-        .await
-        .expect("json");
+    let status = app.sale_state(sku).await;
     assert_eq!(status["state"], "paused");
     assert_eq!(status["stock_left"], 7);
-    let resp = app.reserve(&sku, "henry", None).await;
+    let resp = app.reserve(sku, "henry", None).await;
     assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "paused").await;
+}
 
-    let resp = app
-        .admin_post(&format!("/admin/activities/{id}/resume"), None)
-        .await;
-    assert_eq!(resp.status(), StatusCode::OK);
-    let resp = app.reserve(&sku, "henry", None).await;
-    assert_eq!(resp.status(), StatusCode::ACCEPTED);
-
-    let live: Value = app
-        .admin_get(&format!("/admin/activities/{id}"))
-        .await
-        .json()
-        .await
-        .expect("json");
-    assert_eq!(live["id"], id.as_str());
+/// One reservation made: the admin figures and the public status agree.
+async fn the_live_figures_show_the_reservation(app: &TestApp, id: &str, sku: &str) {
+    let live = app.activity_figures(id).await;
+    assert_eq!(live["id"], id);
     assert_eq!(live["live"]["loaded"], true);
     assert_eq!(live["live"]["redis_stock"], 6);
     assert_eq!(live["live"]["reservations_pending"], 1);
     assert_eq!(live["live"]["buyers"], 1);
     assert!(live["orders_by_status"].is_object());
 
-    let status: Value = app
-        .client
-        .get(app.url(&format!("/flash/{sku}")))
-        .send()
-        .await
-        .expect("sent")
-        .json()
-        .await
-        .expect("json");
+    let status = app.sale_state(sku).await;
     assert_eq!(status["state"], "open");
     assert_eq!(status["stock_left"], 6);
-    assert_eq!(status["activity_id"], id.as_str());
-
-    for path in ["preload", "pause", "resume"] {
-        let resp = app
-            .admin_post(&format!("/admin/activities/nope/{path}"), None)
-            .await;
-        assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
-    }
-    let resp = app.admin_get("/admin/activities/nope").await;
-    assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
-    app.stop().await;
+    assert_eq!(status["activity_id"], id);
 }
 
 #[tokio::test]
@@ -233,30 +198,16 @@ async fn sale_status_moves_through_its_states() {
         "ends_at": now - chrono::Duration::hours(1),
     }))
     .await;
-    let get = |sku: String| {
-        let client = app.client.clone();
-        let url = app.url(&format!("/flash/{sku}"));
-        async move {
-            client
-                .get(url)
-                .send()
-                .await
-                .expect("sent")
-                .json::<Value>()
-                .await
-                .expect("json")
-        }
-    };
-    assert_eq!(get(upcoming).await["state"], "upcoming");
-    assert_eq!(get(ended).await["state"], "ended");
+    assert_eq!(app.sale_state(&upcoming).await["state"], "upcoming");
+    assert_eq!(app.sale_state(&ended).await["state"], "ended");
 
     let sale = app.open_sale(1, 1).await;
-    assert_eq!(get(sale.sku.clone()).await["state"], "open");
+    assert_eq!(app.sale_state(&sale.sku).await["state"], "open");
     assert_eq!(
         app.reserve(&sale.sku, "ivy", None).await.status(),
         StatusCode::ACCEPTED
     );
-    let sold = get(sale.sku.clone()).await;
+    let sold = app.sale_state(&sale.sku).await;
     assert_eq!(sold["state"], "sold_out");
     assert_eq!(sold["stock_left"], 0);
     let resp = app.reserve(&sale.sku, "jack", None).await;
@@ -285,13 +236,7 @@ async fn windows_past_2038_are_stored_faithfully() {
             stored,
             end.parse::<chrono::DateTime<chrono::Utc>>().expect("time")
         );
-        let resp = app
-            .admin_get(&format!(
-                "/admin/activities/{}",
-                body["id"].as_str().expect("id")
-            ))
-            .await;
-        let again: Value = resp.json().await.expect("JSON");
+        let again = app.activity_figures(body["id"].as_str().expect("id")).await;
         assert_eq!(again["ends_at"], body["ends_at"]);
     }
 }
@@ -301,14 +246,9 @@ async fn activities_are_listed_newest_first_with_live_figures() {
     let app = spawn_app().await;
     let older = app.open_sale(3, 1).await;
     let newer = app.open_sale(4, 1).await;
-    let resp = app
-        .client
-        .get(app.url("/admin/activities"))
-        .send()
-        .await
-        .expect("sent");
+    let resp = app.get("/admin/activities").await;
     assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
-    let resp = app.admin_get("/admin/activities").await;
+    let resp = app.activities().await;
     assert_eq!(resp.status(), StatusCode::OK);
     let list: Vec<Value> = resp.json().await.expect("JSON");
     let at = |id: &str| list.iter().position(|a| a["id"] == id).expect("listed");
@@ -319,20 +259,13 @@ async fn activities_are_listed_newest_first_with_live_figures() {
     assert!(entry["orders_by_status"].is_object(), "{entry}");
 }
 
-/// An app whose Redis is reached through `relay` (which a test can hold).
-async fn app_behind(
-    relay: &Relay,
-    customise: impl FnOnce(&mut flashsale::config::Settings),
-) -> TestApp {
-    let url = format!("redis://127.0.0.1:{}", relay.port);
-    spawn_app_with(|s| {
-        with_workers(s);
-        s.redis.url = url;
-        // Requests held in the relay for a while are late, not failed.
-        s.redis.response_timeout_ms = 5_000;
-        customise(s);
-    })
-    .await
+/// An app whose Redis is reached through `relay` (which a test can hold);
+/// requests held there for a while are late, not failed.
+fn app_behind(relay: &Relay) -> TestAppBuilder {
+    TestApp::builder()
+        .workers()
+        .redis_via(relay)
+        .redis_response_timeout_ms(5_000)
 }
 
 /// Redis loses the sale while a reservation's message still waits in the
@@ -343,22 +276,19 @@ async fn app_behind(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_preload_waits_out_the_publishes_in_flight() {
     let relay = Relay::start("127.0.0.1:6379").await;
-    let app = app_behind(&relay, |s| {
-        // Every message waits 1.5 s in the producer before it is sent.
-        s.kafka.linger_ms = 1_500;
-        s.kafka.publish_timeout_ms = 2_500;
-    })
-    .await;
+    // Every message waits 1.5 s in the producer before it is sent.
+    let app = app_behind(&relay)
+        .linger_ms(1_500)
+        .publish_timeout_ms(2_500)
+        .spawn()
+        .await;
     let sale = app.open_sale(2, 1).await;
-    let reserve = |user: String| {
-        let request = app
-            .client
-            .post(app.url(&format!("/flash/{}/reserve", sale.sku)))
-            .bearer_auth(app.token(&user));
+    let reserve = |user: &str| {
+        let request = app.api.reserve(&sale.sku, Caller::User(user));
         async move { Answer::from_response(request.send().await).await }
     };
     let started = Instant::now();
-    let in_flight = tokio::spawn(reserve("in-flight".into()));
+    let in_flight = tokio::spawn(reserve("in-flight"));
     eventually(WAIT, "the reservation in Redis", || async {
         let s = app.state.stock.snapshot(&sale.id, 1).await.ok()?;
         (s.pending == 1).then_some(())
@@ -382,16 +312,13 @@ async fn a_preload_waits_out_the_publishes_in_flight() {
     };
     let preload = async {
         eventually(WAIT, "the preload", || async {
-            let resp = app
-                .admin_post(&format!("/admin/activities/{}/preload", sale.id), None)
-                .await;
             // 503 while the consumers drain the queue.
-            (resp.status() == StatusCode::OK).then_some(())
+            (app.preload(&sale.id).await.status() == StatusCode::OK).then_some(())
         })
         .await;
         // Two new buyers as soon as it is built.
-        let a = tokio::spawn(reserve("next-1".into()));
-        let b = tokio::spawn(reserve("next-2".into()));
+        let a = tokio::spawn(reserve("next-1"));
+        let b = tokio::spawn(reserve("next-2"));
         vec![a.await.expect("answer"), b.await.expect("answer")]
     };
     let ((), mut answers) = tokio::join!(hold, preload);
@@ -410,39 +337,69 @@ async fn a_preload_waits_out_the_publishes_in_flight() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_lapse_during_a_preload_is_on_sale_after_it() {
     let relay = Relay::start("127.0.0.1:6379").await;
-    let app = app_behind(&relay, |_| {}).await;
+    let app = app_behind(&relay).spawn().await;
     let sale = app.open_sale(3, 1).await;
+    let answers = vec![an_order_past_its_deadline(&app, &sale).await];
+    let resp = app.pause(&sale.id).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    // The sweeper runs on an instance that reaches Redis directly.
+    let other = TestApp::builder()
+        .database_of(&app)
+        .kafka_of(&app)
+        .spawn()
+        .await;
+    let sweeper = other.sweeper();
+
+    let preload = a_preload_held_between_snapshot_and_write(&app, &relay, &sale).await;
+    let swept = sweeper.sweep_once().await.expect("sweep");
+    assert_eq!((swept.cancelled, swept.returned), (1, 1), "{swept:?}");
+    relay.release();
+    let resp = preload.await.expect("preload");
+    assert_eq!(resp.status(), StatusCode::OK);
+
+    assert_eq!(
+        app.redis_stock(&sale).await,
+        Some(3),
+        "the lapse's unit is back, once"
+    );
+    let again = sweeper.sweep_once().await.expect("sweep");
+    assert_eq!((again.cancelled, again.returned), (0, 0), "{again:?}");
+    let resp = app.resume(&sale.id).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let probe = app.probe(&sale);
+    probe.wait_quiet(WAIT).await.expect("quiet");
+    let figures = probe.check(&answers).await.expect("invariants hold");
+    assert_eq!(figures.cancelled, 1, "{figures:?}");
+    other.stop().await;
+}
+
+/// One order, confirmed, whose payment deadline has passed (no sweeper has
+/// run yet); its reservation's answer.
+async fn an_order_past_its_deadline(app: &TestApp, sale: &Sale) -> Answer {
     let resp = app.reserve(&sale.sku, "lapser", None).await;
-    let answers = vec![Answer::from_response(Ok(resp)).await];
-    assert_eq!(answers[0].status, Some(202));
+    let answer = Answer::from_response(Ok(resp)).await;
+    assert_eq!(answer.status, Some(202));
     eventually(WAIT, "the order, confirmed", || async {
         let s = app.state.stock.snapshot(&sale.id, 1).await.ok()?;
-        let ordered = order_counts(&app, &sale.id).await.get("pending_payment") == Some(&1);
+        let ordered = app.order_counts(&sale.id).await.get("pending_payment") == Some(&1);
         (ordered && s.pending == 0).then_some(())
     })
     .await;
-    // Its payment deadline passes; no sweeper has run yet.
     sqlx::query("UPDATE orders SET expires_at = NOW(3) - INTERVAL 1 SECOND WHERE activity_id = ?")
         .bind(&sale.id)
         .execute(&app.state.pool)
         .await
         .expect("the deadline passes");
-    let resp = app
-        .admin_post(&format!("/admin/activities/{}/pause", sale.id), None)
-        .await;
-    assert_eq!(resp.status(), StatusCode::OK);
-    // The sweeper runs on an instance that reaches Redis directly.
-    let db = app.settings.mysql.url.clone();
-    let kafka = app.settings.kafka.clone();
-    let other = spawn_app_with(|s| {
-        s.mysql.url = db;
-        s.kafka = kafka;
-    })
-    .await;
-    let sweeper = flashsale::orders::Sweeper {
-        repo: other.state.orders.clone(),
-        stock: other.state.stock.clone(),
-    };
+    answer
+}
+
+/// Starts a preload and returns once it has taken its MySQL snapshot and its
+/// Redis write is held in the relay (released by the caller).
+async fn a_preload_held_between_snapshot_and_write(
+    app: &TestApp,
+    relay: &Relay,
+    sale: &Sale,
+) -> tokio::task::JoinHandle<reqwest::Response> {
     let epoch = || async {
         let (epoch,): (u32,) = sqlx::query_as("SELECT redis_epoch FROM activities WHERE id = ?")
             .bind(&sale.id)
@@ -452,7 +409,6 @@ async fn a_lapse_during_a_preload_is_on_sale_after_it() {
         epoch
     };
     let before = epoch().await;
-
     // The preload's snapshot waits behind this lock until the relay holds the
     // preload's Redis write.
     let mut lock = app.state.pool.begin().await.expect("a transaction");
@@ -462,10 +418,7 @@ async fn a_lapse_during_a_preload_is_on_sale_after_it() {
         .await
         .expect("the activity's lock");
     let preload = tokio::spawn({
-        let request = app
-            .client
-            .post(app.url(&format!("/admin/activities/{}/preload", sale.id)))
-            .bearer_auth(app.admin_token());
+        let request = app.api.preload(&sale.id);
         async move { request.send().await.expect("an answer") }
     });
     eventually(WAIT, "the preload waiting for its snapshot", || async {
@@ -485,26 +438,5 @@ async fn a_lapse_during_a_preload_is_on_sale_after_it() {
         (epoch().await > before).then_some(())
     })
     .await;
-    let swept = sweeper.sweep_once().await.expect("sweep");
-    assert_eq!((swept.cancelled, swept.returned), (1, 1), "{swept:?}");
-    relay.release();
-    let resp = preload.await.expect("preload");
-    assert_eq!(resp.status(), StatusCode::OK);
-
-    assert_eq!(
-        app.redis_stock(&sale).await,
-        Some(3),
-        "the lapse's unit is back, once"
-    );
-    let again = sweeper.sweep_once().await.expect("sweep");
-    assert_eq!((again.cancelled, again.returned), (0, 0), "{again:?}");
-    let resp = app
-        .admin_post(&format!("/admin/activities/{}/resume", sale.id), None)
-        .await;
-    assert_eq!(resp.status(), StatusCode::OK);
-    let probe = app.probe(&sale);
-    probe.wait_quiet(WAIT).await.expect("quiet");
-    let figures = probe.check(&answers).await.expect("invariants hold");
-    assert_eq!(figures.cancelled, 1, "{figures:?}");
-    other.stop().await;
+    preload
 }

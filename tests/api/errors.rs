@@ -3,10 +3,10 @@
 
 use chrono::Utc;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::json;
 
-use crate::helpers::{assert_error, spawn_app, unique};
+use crate::helpers::{assert_error, spawn_app, unique, Caller};
 
 fn sign(secret: &str, claims: serde_json::Value) -> String {
     jsonwebtoken::encode(
@@ -21,108 +21,60 @@ fn sign(secret: &str, claims: serde_json::Value) -> String {
 async fn bad_tokens_get_401() {
     let app = spawn_app().await;
     let sale = app.open_sale(5, 1).await;
-    let url = app.url(&format!("/flash/{}/reserve", sale.sku));
     let secret =
         secrecy::ExposeSecret::expose_secret(&app.settings.auth.user_token_secret).to_owned();
-    let exp = Utc::now().timestamp() + 600;
+    let now = Utc::now().timestamp();
+    let exp = now + 600;
 
-    let no_token = app.client.post(&url).send().await.expect("sent");
+    let no_token = app.reserve_as(&sale.sku, Caller::Anonymous).await;
     assert_error(no_token, StatusCode::UNAUTHORIZED, "unauthorized").await;
 
-    let bad_signature = sign(
-        "some-other-secret-entirely",
-        json!({"sub": "u1", "exp": exp}),
-    );
-    let resp = app
-        .client
-        .post(&url)
-        .bearer_auth(bad_signature)
-        .send()
-        .await
-        .expect("sent");
-    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
-
-    let expired = sign(
-        &secret,
-        json!({"sub": "u1", "exp": Utc::now().timestamp() - 600}),
-    );
-    let resp = app
-        .client
-        .post(&url)
-        .bearer_auth(expired)
-        .send()
-        .await
-        .expect("sent");
-    let body = assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
-    assert!(body["message"]
-        .as_str()
-        .is_some_and(|m| m.contains("expired")));
-
-    // Found by hand: a token whose nbf lies in the future was accepted.
-    let not_yet = sign(
-        &secret,
-        json!({"sub": "u1", "exp": exp, "nbf": Utc::now().timestamp() + 300}),
-    );
-    let resp = app
-        .client
-        .post(&url)
-        .bearer_auth(not_yet)
-        .send()
-        .await
-        .expect("sent");
-    let body = assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
-    assert!(body["message"].as_str().is_some_and(|m| m.contains("nbf")));
-    let already = sign(
-        &secret,
-        json!({"sub": "u1", "exp": exp, "nbf": Utc::now().timestamp() - 60}),
-    );
+    // Each refused token, and what the refusal's message names (if anything).
+    let refused = [
+        (
+            sign(
+                "some-other-secret-entirely",
+                json!({"sub": "u1", "exp": exp}),
+            ),
+            None,
+        ),
+        (
+            sign(&secret, json!({"sub": "u1", "exp": now - 600})),
+            Some("expired"),
+        ),
+        // Found by hand: a token whose nbf lies in the future was accepted.
+        (
+            sign(&secret, json!({"sub": "u1", "exp": exp, "nbf": now + 300})),
+            Some("nbf"),
+        ),
+        ("garbage.not.jwt".to_owned(), None),
+        (sign(&secret, json!({"sub": "u1"})), None),
+        (
+            sign(&secret, json!({"sub": "not a valid id!", "exp": exp})),
+            None,
+        ),
+    ];
+    for (token, named) in &refused {
+        let resp = app.reserve_as(&sale.sku, Caller::Token(token)).await;
+        let body = assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+        if let Some(word) = named {
+            assert!(
+                body["message"].as_str().is_some_and(|m| m.contains(word)),
+                "{word} in {body}"
+            );
+        }
+    }
     // A past nbf passes authentication (and holds nothing: a status lookup).
+    let already = sign(&secret, json!({"sub": "u1", "exp": exp, "nbf": now - 60}));
     let resp = app
-        .client
-        .get(app.url(&format!("/flash/{}/reservation", sale.sku)))
-        .bearer_auth(already)
-        .send()
-        .await
-        .expect("sent");
+        .send(app.api.reservation(&sale.sku, Caller::Token(&already)))
+        .await;
     assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
 
-    let resp = app
-        .client
-        .post(&url)
-        .bearer_auth("garbage.not.jwt")
-        .send()
-        .await
-        .expect("sent");
-    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
-
-    let no_exp = sign(&secret, json!({"sub": "u1"}));
-    let resp = app
-        .client
-        .post(&url)
-        .bearer_auth(no_exp)
-        .send()
-        .await
-        .expect("sent");
-    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
-
-    let bad_sub = sign(&secret, json!({"sub": "not a valid id!", "exp": exp}));
-    let resp = app
-        .client
-        .post(&url)
-        .bearer_auth(bad_sub)
-        .send()
-        .await
-        .expect("sent");
-    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
-
-    let resp = app
-        .client
-        .post(&url)
-        .header("Authorization", "Basic dXNlcjpwYXNz")
-        .send()
-        .await
-        .expect("sent");
-    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    let basic = app
+        .reserve_as(&sale.sku, Caller::Header("Basic dXNlcjpwYXNz"))
+        .await;
+    assert_error(basic, StatusCode::UNAUTHORIZED, "unauthorized").await;
 
     assert_eq!(app.redis_stock(&sale).await, Some(5), "nothing was held");
     app.stop().await;
@@ -132,8 +84,6 @@ async fn bad_tokens_get_401() {
 async fn bad_bodies_get_422_or_413() {
     let app = spawn_app().await;
     let sale = app.open_sale(5, 2).await;
-    let url = app.url(&format!("/flash/{}/reserve", sale.sku));
-    let token = app.token("u2");
 
     for body in [
         json!({"quantity": 0}),
@@ -144,50 +94,22 @@ async fn bad_bodies_get_422_or_413() {
         json!({"quantity": 4_294_967_296_u64}),
         json!("one"),
     ] {
-        let resp = app
-            .client
-            .post(&url)
-            .bearer_auth(&token)
-            .json(&body)
-            .send()
-            .await
-            .expect("sent");
+        let resp = app.reserve(&sale.sku, "u2", Some(body)).await;
         assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
     }
 
-    let broken = app
-        .client
-        .post(&url)
-        .bearer_auth(&token)
-        .header("content-type", "application/json")
-        .body("{\"quantity\": ")
-        .send()
-        .await
-        .expect("sent");
+    let broken = app.reserve_raw(&sale.sku, "u2", "{\"quantity\": ").await;
     assert_error(broken, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
 
     let huge = format!(
         "{{\"quantity\": 1, \"pad\": \"{}\"}}",
         "x".repeat(64 * 1024)
     );
-    let resp = app
-        .client
-        .post(&url)
-        .bearer_auth(&token)
-        .header("content-type", "application/json")
-        .body(huge)
-        .send()
-        .await
-        .expect("sent");
+    let resp = app.reserve_raw(&sale.sku, "u2", &huge).await;
     assert_error(resp, StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large").await;
 
     assert_eq!(app.redis_stock(&sale).await, Some(5), "nothing was held");
-    let snap = app
-        .state
-        .stock
-        .snapshot(&sale.id, sale.shards)
-        .await
-        .expect("snapshot");
+    let snap = app.redis_snapshot(&sale).await;
     assert_eq!(snap.buyers, 0);
     app.stop().await;
 }
@@ -197,12 +119,7 @@ async fn unknown_sku_and_closed_windows() {
     let app = spawn_app().await;
     let resp = app.reserve("no-such-sku", "u3", None).await;
     assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
-    let resp = app
-        .client
-        .get(app.url("/flash/no-such-sku"))
-        .send()
-        .await
-        .expect("sent");
+    let resp = app.sale("no-such-sku").await;
     assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
 
     let now = Utc::now();
@@ -239,33 +156,19 @@ async fn admin_endpoints_need_the_admin_token() {
         "sku": unique("sku-"), "stock": 5,
         "starts_at": Utc::now(), "ends_at": Utc::now() + chrono::Duration::hours(1),
     });
-    let url = app.url("/admin/activities");
-    let resp = app
-        .client
-        .post(&url)
-        .json(&body)
-        .send()
-        .await
-        .expect("sent");
-    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
-    let resp = app
-        .client
-        .post(&url)
-        .bearer_auth(app.token("mallory"))
-        .json(&body)
-        .send()
-        .await
-        .expect("sent");
-    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
-    let resp = app
-        .client
-        .post(&url)
-        .bearer_auth(format!("{}x", app.admin_token()))
-        .json(&body)
-        .send()
-        .await
-        .expect("sent");
-    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    let not_the_admin = format!("{}x", app.admin_token());
+    for caller in [
+        Caller::Anonymous,
+        Caller::User("mallory"),
+        Caller::Token(&not_the_admin),
+    ] {
+        let request = app
+            .api
+            .request(Method::POST, "/admin/activities", caller)
+            .json(&body);
+        let resp = app.send(request).await;
+        assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    }
     app.stop().await;
 }
 
@@ -306,15 +209,12 @@ async fn invalid_activity_fields_get_422() {
         let resp = app.create_activity(body.clone()).await;
         assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
     }
-    let resp = app
-        .client
-        .post(app.url("/admin/activities"))
-        .bearer_auth(app.admin_token())
+    let request = app
+        .api
+        .request(Method::POST, "/admin/activities", Caller::Admin)
         .header("content-type", "application/json")
-        .body("{not json")
-        .send()
-        .await
-        .expect("sent");
+        .body("{not json");
+    let resp = app.send(request).await;
     assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
     // None of them was stored.
     let count: (i64,) = sqlx::query_as("SELECT COUNT(*) FROM activities")
@@ -331,14 +231,14 @@ async fn invalid_activity_fields_get_422() {
 #[tokio::test]
 async fn unknown_routes_and_methods_answer_json() {
     let app = spawn_app().await;
-    let resp = app.client.get(app.url("/nope")).send().await.expect("sent");
+    let resp = app.get("/nope").await;
     assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
     let resp = app
-        .client
-        .delete(app.url("/flash/x"))
-        .send()
-        .await
-        .expect("sent");
+        .send(
+            app.api
+                .request(Method::DELETE, "/flash/x", Caller::Anonymous),
+        )
+        .await;
     assert_error(resp, StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed").await;
     app.stop().await;
 }
@@ -362,26 +262,11 @@ async fn whole_numbers_written_with_a_fraction_and_null_bodies_are_accepted() {
     assert_eq!(created["stock"], 5);
     let id = created["id"].as_str().expect("id").to_owned();
     let sku = created["sku"].as_str().expect("sku").to_owned();
-    let resp = app
-        .admin_post(&format!("/admin/activities/{id}/preload"), None)
-        .await;
+    let resp = app.preload(&id).await;
     assert_eq!(resp.status(), StatusCode::OK);
-    let resp = app
-        .admin_post(
-            &format!("/admin/activities/{id}/stock"),
-            Some(json!({"add": 3.0})),
-        )
-        .await;
+    let resp = app.top_up(&id, json!({"add": 3.0})).await;
     assert_eq!(resp.status(), StatusCode::OK);
-    let resp = app
-        .client
-        .post(app.url(&format!("/flash/{sku}/reserve")))
-        .bearer_auth(app.token("null-body"))
-        .header("content-type", "application/json")
-        .body("null")
-        .send()
-        .await
-        .expect("sent");
+    let resp = app.reserve_raw(&sku, "null-body", "null").await;
     assert_eq!(resp.status(), StatusCode::ACCEPTED, "null is no body");
     let resp = app
         .reserve(&sku, "two-point-oh", Some(json!({"quantity": 2.0})))
@@ -396,11 +281,6 @@ async fn whole_numbers_written_with_a_fraction_and_null_bodies_are_accepted() {
         Some(5)
     );
     // An unknown readiness role is refused in the error shape.
-    let resp = app
-        .client
-        .get(app.url("/readyz?role="))
-        .send()
-        .await
-        .expect("sent");
+    let resp = app.get("/readyz?role=").await;
     assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
 }

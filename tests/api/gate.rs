@@ -1,27 +1,12 @@
 //! The sold-out gate: once a sale is sold out, an instance answers `sold_out` from
 //! memory, and units that come back are sold again within its recheck bound.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flashsale::stock::RefundMode;
 use reqwest::StatusCode;
-use serde_json::Value;
 
-use crate::helpers::{assert_error, eventually, spawn_app};
-
-/// Waits until this instance's sold-out gate is shut for the activity (it
-/// shuts once the buyers are read, in the background).
-async fn gate_shut(app: &crate::helpers::TestApp, activity_id: &str) {
-    eventually(Duration::from_secs(5), "the gate shut", || async {
-        app.state
-            .stock
-            .sold_out_from_memory(activity_id, "probe")
-            .then_some(())
-    })
-    .await;
-}
+use crate::helpers::{assert_error, eventually, spawn_app, Flood, Sale, TestApp};
 
 #[tokio::test]
 async fn a_sold_out_sale_is_answered_from_memory() {
@@ -29,9 +14,7 @@ async fn a_sold_out_sale_is_answered_from_memory() {
     let sale = app.open_sale(3, 1).await;
     let mut winner = None;
     for i in 0..3 {
-        let resp = app.reserve(&sale.sku, &format!("w{i}"), None).await;
-        assert_eq!(resp.status(), StatusCode::ACCEPTED);
-        let body: Value = resp.json().await.expect("JSON");
+        let body = app.reserve_accepted(&sale.sku, &format!("w{i}")).await;
         winner.get_or_insert((format!("w{i}"), body["reservation_id"].clone()));
     }
     assert_error(
@@ -50,7 +33,7 @@ async fn a_sold_out_sale_is_answered_from_memory() {
     .await;
     assert_eq!(body["reservation_id"], reservation_id);
     // The gate shuts once this instance has read the buyers, in the background.
-    gate_shut(&app, &sale.id).await;
+    app.wait_gate_shut(&sale.id).await;
     // Take the sale's stock away from Redis: a request that reached the reserve
     // script now would be answered 503 (not loaded). Every one is 409 sold_out.
     let keys = flashsale::stock::Keys::new(&sale.id);
@@ -76,93 +59,75 @@ async fn a_sold_out_sale_is_answered_from_memory() {
 async fn returned_units_are_sold_again_during_a_flood() {
     let app = spawn_app().await;
     let sale = app.open_sale(10, 1).await;
-    let mut won = Vec::new();
-    for i in 0..10 {
-        let user = format!("early-{i}");
-        let resp = app.reserve(&sale.sku, &user, None).await;
-        assert_eq!(resp.status(), StatusCode::ACCEPTED);
-        let body: Value = resp.json().await.expect("JSON");
-        won.push((
-            user,
-            body["reservation_id"].as_str().expect("id").to_owned(),
-        ));
-    }
-    let stop = Arc::new(AtomicBool::new(false));
-    let next = Arc::new(AtomicUsize::new(0));
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let refused = Arc::new(AtomicUsize::new(0));
-    let mut flood = Vec::new();
-    for _ in 0..8 {
-        let (stop, next, accepted, refused) = (
-            stop.clone(),
-            next.clone(),
-            accepted.clone(),
-            refused.clone(),
-        );
-        let (client, url, auth) = (
-            app.client.clone(),
-            app.url(&format!("/flash/{}/reserve", sale.sku)),
-            app.state.auth.clone(),
-        );
-        flood.push(tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                let user = format!("flood-{}", next.fetch_add(1, Ordering::Relaxed));
-                let token = auth.issue(&user, 600).expect("token");
-                let resp = client.post(&url).bearer_auth(token).send().await;
-                match resp.map(|r| r.status()) {
-                    Ok(StatusCode::ACCEPTED) => accepted.fetch_add(1, Ordering::Relaxed),
-                    Ok(StatusCode::CONFLICT) => refused.fetch_add(1, Ordering::Relaxed),
-                    other => panic!("unexpected answer {other:?}"),
-                };
-            }
-        }));
-    }
+    let won = sell_out(&app, &sale).await;
+    let flood = Flood::start(&app, &sale.sku, 8);
     eventually(Duration::from_secs(10), "the flood refused", || async {
-        (refused.load(Ordering::Relaxed) > 200).then_some(())
+        (flood.refused() > 200).then_some(())
     })
     .await;
-    gate_shut(&app, &sale.id).await;
-    // Another instance returns them: this one learns of it only through the
-    // restock counts it rechecks.
-    let other = flashsale::stock::StockStore::new(
-        flashsale::stock::RedisConn::connect(&app.settings.redis)
-            .await
-            .expect("another instance's Redis"),
-    );
+    app.wait_gate_shut(&sale.id).await;
     let returned_at = Instant::now();
-    for (user, rid) in &won[..4] {
-        other
-            .refund(&sale.id, rid, user, 1, RefundMode::Return)
-            .await
-            .expect("refund");
-    }
+    return_from_another_instance(&app, &sale, &won[..4]).await;
     eventually(Duration::from_secs(10), "four units sold again", || async {
-        (accepted.load(Ordering::Relaxed) >= 4).then_some(())
+        (flood.accepted() >= 4).then_some(())
     })
     .await;
     let reopened = returned_at.elapsed();
     // Keep flooding a little: no fifth unit appears.
-    let refused_then = refused.load(Ordering::Relaxed);
+    let refused_then = flood.refused();
     eventually(Duration::from_secs(10), "more refusals", || async {
-        (refused.load(Ordering::Relaxed) > refused_then + 200).then_some(())
+        (flood.refused() > refused_then + 200).then_some(())
     })
     .await;
-    stop.store(true, Ordering::Relaxed);
-    for f in flood {
-        f.await.expect("flood task");
-    }
+    let answers = flood.stop().await;
+    let accepted = answers.iter().filter(|a| a.status == Some(202)).count();
+    let unexpected: Vec<_> = answers
+        .iter()
+        .filter(|a| !matches!(a.status, Some(202 | 409)))
+        .collect();
+    assert!(unexpected.is_empty(), "unexpected answers {unexpected:?}");
     println!("units returned during a flood were sold again after {reopened:?}");
-    assert_eq!(
-        accepted.load(Ordering::Relaxed),
-        4,
-        "exactly the units returned"
-    );
+    assert_eq!(accepted, 4, "exactly the units returned");
     assert!(
         reopened < Duration::from_secs(2),
         "sold again after {reopened:?}; the gate rechecks every {:?}",
         flashsale::stock::SOLD_OUT_RECHECK
     );
     assert_eq!(app.redis_stock(&sale).await, Some(0));
+}
+
+/// Every unit reserved, one user each; the winners and their reservations.
+async fn sell_out(app: &TestApp, sale: &Sale) -> Vec<(String, String)> {
+    let mut won = Vec::new();
+    for i in 0..10 {
+        let user = format!("early-{i}");
+        let body = app.reserve_accepted(&sale.sku, &user).await;
+        won.push((
+            user,
+            body["reservation_id"].as_str().expect("id").to_owned(),
+        ));
+    }
+    won
+}
+
+/// Another instance returns these reservations' units: this one learns of it
+/// only through the restock counts it rechecks.
+async fn return_from_another_instance(
+    app: &TestApp,
+    sale: &Sale,
+    reservations: &[(String, String)],
+) {
+    let other = flashsale::stock::StockStore::new(
+        flashsale::stock::RedisConn::connect(&app.settings.redis)
+            .await
+            .expect("another instance's Redis"),
+    );
+    for (user, rid) in reservations {
+        other
+            .refund(&sale.id, rid, user, 1, RefundMode::Return)
+            .await
+            .expect("refund");
+    }
 }
 
 /// Hundreds of requests discovering the sell-out at once cost Redis one reading
@@ -183,7 +148,7 @@ async fn the_sell_out_is_discovered_once_per_instance() {
     for resp in flood {
         assert_eq!(resp.status(), StatusCode::CONFLICT);
     }
-    gate_shut(&app, &sale.id).await;
+    app.wait_gate_shut(&sale.id).await;
     assert_eq!(
         app.state.stock.sold_out_gate_readings() - before,
         1,

@@ -34,12 +34,7 @@ const CONTRACT: &[(&str, &str)] = &[
 #[tokio::test]
 async fn the_document_covers_the_contract() {
     let app = spawn_app().await;
-    let resp = app
-        .client
-        .get(app.url("/openapi.json"))
-        .send()
-        .await
-        .expect("sent");
+    let resp = app.send(app.api.openapi()).await;
     assert_eq!(resp.status(), StatusCode::OK);
     let doc: Value = resp.json().await.expect("JSON");
     assert!(doc["openapi"]

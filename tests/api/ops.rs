@@ -1,18 +1,15 @@
 //! Health, readiness, metrics, request ids.
 
+use std::time::Duration;
+
 use reqwest::StatusCode;
 
-use crate::helpers::spawn_app;
+use crate::helpers::{assert_error, eventually, spawn_app, Caller, Relay, TestApp};
 
 #[tokio::test]
 async fn health_readiness_and_metrics() {
     let app = spawn_app().await;
-    let resp = app
-        .client
-        .get(app.url("/healthz"))
-        .send()
-        .await
-        .expect("sent");
+    let resp = app.healthz().await;
     assert_eq!(resp.status(), StatusCode::OK);
 
     let body = app.wait_ready().await;
@@ -30,58 +27,12 @@ async fn health_readiness_and_metrics() {
         StatusCode::CONFLICT
     );
 
-    let resp = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .expect("sent");
+    let resp = app.metrics().await;
     assert_eq!(resp.status(), StatusCode::OK);
     let text = resp.text().await.expect("text");
-    for name in [
-        "flashsale_build_info",
-        "flashsale_http_requests_total",
-        "flashsale_process_resident_memory_bytes",
-        "flashsale_activity_units_left",
-        "flashsale_activity_reservations_pending",
-        "flashsale_activity_oldest_pending_age_seconds",
-        "flashsale_redis_up",
-    ] {
-        assert!(
-            text.contains(&format!("# HELP {name} ")),
-            "no HELP for {name}:\n{text}"
-        );
-    }
-    // Every sample is a flashsale_ metric.
-    for line in text
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-    {
-        assert!(line.starts_with("flashsale_"), "unprefixed: {line}");
-    }
-    assert!(
-        text.contains(&format!(
-            "flashsale_activity_units_left{{activity_id=\"{}\"}}",
-            sale.id
-        )),
-        "{text}"
-    );
+    every_metric_is_named_and_explained(&text, &sale.id);
     promtool_accepts(&text);
-    // Every metric the alert rules and the dashboard use is one the service has.
-    for file in [
-        "deploy/prometheus/alerts.yml",
-        "deploy/grafana/flashsale.json",
-    ] {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
-        let deployed = std::fs::read_to_string(&path).expect("deployment file");
-        let known: Vec<&str> = flashsale::telemetry::metric_names().collect();
-        for name in metric_names(&deployed) {
-            assert!(
-                known.contains(&name.as_str()),
-                "{file} uses {name}, which the service does not record"
-            );
-        }
-    }
+    the_deployment_uses_only_recorded_metrics();
     assert!(text.contains("flashsale_http_requests_total"), "{text}");
     assert!(text.contains("route=\"/flash/{sku}/reserve\""), "{text}");
     assert!(
@@ -100,24 +51,64 @@ async fn health_readiness_and_metrics() {
     app.stop().await;
 }
 
+/// The key metrics have HELP text, every sample is a `flashsale_` metric, and
+/// the sale has its units-left gauge.
+fn every_metric_is_named_and_explained(text: &str, activity_id: &str) {
+    for name in [
+        "flashsale_build_info",
+        "flashsale_http_requests_total",
+        "flashsale_process_resident_memory_bytes",
+        "flashsale_activity_units_left",
+        "flashsale_activity_reservations_pending",
+        "flashsale_activity_oldest_pending_age_seconds",
+        "flashsale_redis_up",
+    ] {
+        assert!(
+            text.contains(&format!("# HELP {name} ")),
+            "no HELP for {name}:\n{text}"
+        );
+    }
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        assert!(line.starts_with("flashsale_"), "unprefixed: {line}");
+    }
+    assert!(
+        text.contains(&format!(
+            "flashsale_activity_units_left{{activity_id=\"{activity_id}\"}}"
+        )),
+        "{text}"
+    );
+}
+
+/// Every metric the alert rules and the dashboard use is one the service has.
+fn the_deployment_uses_only_recorded_metrics() {
+    for file in [
+        "deploy/prometheus/alerts.yml",
+        "deploy/grafana/flashsale.json",
+    ] {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+        let deployed = std::fs::read_to_string(&path).expect("deployment file");
+        let known: Vec<&str> = flashsale::telemetry::metric_names().collect();
+        for name in metric_names(&deployed) {
+            assert!(
+                known.contains(&name.as_str()),
+                "{file} uses {name}, which the service does not record"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn every_answer_carries_a_request_id() {
     let app = spawn_app().await;
-    let resp = app
-        .client
-        .get(app.url("/flash/none"))
-        .send()
-        .await
-        .expect("sent");
+    let resp = app.sale("none").await;
     let id = resp.headers().get("x-request-id").expect("generated id");
     assert!(!id.is_empty());
     let resp = app
-        .client
-        .get(app.url("/healthz"))
-        .header("x-request-id", "abc-123")
-        .send()
-        .await
-        .expect("sent");
+        .send(app.api.healthz().header("x-request-id", "abc-123"))
+        .await;
     assert_eq!(
         resp.headers().get("x-request-id").expect("propagated"),
         "abc-123"
@@ -184,7 +175,7 @@ fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
 /// `flashsale consume` serves `/healthz` and `/metrics` on `consumer.metrics_addr`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_consumer_serves_metrics_and_health() {
-    let app = crate::helpers::spawn_app().await;
+    let app = spawn_app().await;
     let dir = tempfile::tempdir().expect("a temporary folder");
     let port = testkit::process::free_port();
     let mut env = app.binary_env();
@@ -200,22 +191,14 @@ async fn the_consumer_serves_metrics_and_health() {
         "consumer",
     );
     tokio::task::block_in_place(|| {
-        testkit::process::wait_for_port(port, std::time::Duration::from_secs(60), "consume")
+        testkit::process::wait_for_port(port, Duration::from_secs(60), "consume")
     });
-    let base = format!("http://127.0.0.1:{port}");
-    let health = app
-        .client
-        .get(format!("{base}/healthz"))
-        .send()
-        .await
-        .expect("sent");
+    let consumer_api = app.api.on(format!("http://127.0.0.1:{port}"));
+    let health = app.send(consumer_api.healthz()).await;
     assert_eq!(health.status(), StatusCode::OK);
     let text = app
-        .client
-        .get(format!("{base}/metrics"))
-        .send()
+        .send(consumer_api.metrics())
         .await
-        .expect("sent")
         .text()
         .await
         .expect("text");
@@ -229,21 +212,11 @@ async fn the_consumer_serves_metrics_and_health() {
 /// drain delay, then stopped within the grace period.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn draining_turns_readiness_off_before_the_server_stops() {
-    let app = crate::helpers::spawn_app_with(|s| {
-        s.server.drain_delay_secs = 2;
-        s.server.shutdown_grace_secs = 3;
-    })
-    .await;
+    let app = TestApp::builder().drain(2, 3).spawn().await;
     let sale = app.open_sale(5, 1).await;
     app.state.draining.cancel();
-    let resp = app
-        .client
-        .get(app.url("/readyz"))
-        .send()
-        .await
-        .expect("sent");
-    let body =
-        crate::helpers::assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    let resp = app.readyz().await;
+    let body = assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
     assert!(
         body["message"]
             .as_str()
@@ -255,40 +228,30 @@ async fn draining_turns_readiness_off_before_the_server_stops() {
         StatusCode::ACCEPTED,
         "requests are still served while load balancers notice"
     );
-    let healthz = app.url("/healthz");
-    let client = app.client.clone();
-    let stopped = tokio::time::timeout(std::time::Duration::from_secs(30), app.server)
+    let healthz = app.api.healthz();
+    let stopped = tokio::time::timeout(Duration::from_secs(30), app.server)
         .await
         .expect("the server stops within the delay and the grace period")
         .expect("server task joins");
     stopped.expect("server stops cleanly");
-    assert!(
-        client.get(healthz).send().await.is_err(),
-        "no longer listening"
-    );
+    assert!(healthz.send().await.is_err(), "no longer listening");
 }
 
 /// `?role=api` needs Redis and the broker; MySQL down is reported, not fatal.
 #[tokio::test]
 async fn an_api_instance_is_ready_without_mysql() {
-    let relay = crate::helpers::Relay::start("127.0.0.1:3306").await;
-    let port = relay.port;
-    let app = crate::helpers::spawn_app_with(|s| {
-        let url = secrecy::ExposeSecret::expose_secret(&s.mysql.url)
-            .replace(":3306/", &format!(":{port}/"));
-        s.mysql.url = secrecy::SecretString::from(url);
-        s.mysql.acquire_timeout_ms = 500;
-    })
-    .await;
-    let ready = |path: &'static str| {
-        let (client, url) = (app.client.clone(), app.url(path));
-        async move { client.get(url).send().await.expect("sent") }
-    };
+    let relay = Relay::start("127.0.0.1:3306").await;
+    let app = TestApp::builder()
+        .mysql_via(&relay)
+        .mysql_acquire_timeout_ms(500)
+        .spawn()
+        .await;
+    let ready = |path: &'static str| app.get(path);
     app.wait_ready().await;
     relay.down();
     // The prober sees it at its next round (every 500 ms).
-    let body = crate::helpers::eventually(
-        std::time::Duration::from_secs(3),
+    let body = eventually(
+        Duration::from_secs(3),
         "readiness to report MySQL down",
         || async {
             let resp = ready("/readyz").await;
@@ -307,11 +270,11 @@ async fn an_api_instance_is_ready_without_mysql() {
     assert_eq!(body["checks"]["mysql"], "down", "reported: {body}");
     assert_eq!(body["checks"]["redis"], "ok", "{body}");
     let resp = ready("/readyz?role=nonsense").await;
-    crate::helpers::assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
+    assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
     relay.up();
     // And ready again once it answers.
-    crate::helpers::eventually(
-        std::time::Duration::from_secs(5),
+    eventually(
+        Duration::from_secs(5),
         "readiness once MySQL is back",
         || async { (ready("/readyz").await.status() == StatusCode::OK).then_some(()) },
     )
@@ -322,23 +285,20 @@ async fn an_api_instance_is_ready_without_mysql() {
 /// listener keeps serving them too.
 #[tokio::test]
 async fn the_ops_listener_serves_the_probes_and_nothing_else() {
-    let app =
-        crate::helpers::spawn_app_with(|s| s.server.ops_addr = Some("127.0.0.1:0".into())).await;
-    let ops = app.ops_address.clone().expect("an ops listener");
-    assert_ne!(ops, app.address);
-    let get = |path: &str| {
-        let (client, url) = (app.client.clone(), format!("{ops}{path}"));
-        async move { client.get(url).send().await.expect("sent") }
-    };
-    assert_eq!(get("/healthz").await.status(), StatusCode::OK);
-    crate::helpers::eventually(
-        std::time::Duration::from_secs(10),
+    let app = TestApp::builder().ops_listener().spawn().await;
+    let ops_address = app.ops_address.clone().expect("an ops listener");
+    assert_ne!(ops_address, app.address);
+    let ops = app.api.on(ops_address);
+    assert_eq!(app.send(ops.healthz()).await.status(), StatusCode::OK);
+    eventually(
+        Duration::from_secs(10),
         "/readyz on the ops listener",
-        || async { (get("/readyz").await.status() == StatusCode::OK).then_some(()) },
+        || async { (app.send(ops.readyz()).await.status() == StatusCode::OK).then_some(()) },
     )
     .await;
-    assert!(crate::helpers::TestApp::is_readiness_answer(get("/readyz?role=api").await).await);
-    let metrics = get("/metrics").await;
+    let role = ops.request(reqwest::Method::GET, "/readyz?role=api", Caller::Anonymous);
+    assert!(TestApp::is_readiness_answer(app.send(role).await).await);
+    let metrics = app.send(ops.metrics()).await;
     assert_eq!(metrics.status(), StatusCode::OK);
     assert!(metrics
         .text()
@@ -355,60 +315,34 @@ async fn the_ops_listener_serves_the_probes_and_nothing_else() {
         "/admin/ui".to_owned(),
     ] {
         let resp = app
-            .client
-            .get(format!("{ops}{path}"))
-            .bearer_auth(app.admin_token())
-            .send()
-            .await
-            .expect("sent");
-        crate::helpers::assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+            .send(ops.request(reqwest::Method::GET, &path, Caller::Admin))
+            .await;
+        assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
     }
     let resp = app
-        .client
-        .post(format!("{ops}/flash/{}/reserve", sale.sku))
-        .bearer_auth(app.token("ops-user"))
-        .send()
-        .await
-        .expect("sent");
-    crate::helpers::assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
+        .send(ops.reserve(&sale.sku, Caller::User("ops-user")))
+        .await;
+    assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
     // The main listener still serves all three, for compatibility.
-    assert_eq!(app.get("/healthz").await.status(), StatusCode::OK);
-    assert!(crate::helpers::TestApp::is_readiness_answer(app.get("/readyz").await).await);
-    assert_eq!(app.get("/metrics").await.status(), StatusCode::OK);
-    assert_eq!(
-        app.get(&format!("/flash/{}", sale.sku)).await.status(),
-        StatusCode::OK
-    );
+    assert_eq!(app.healthz().await.status(), StatusCode::OK);
+    assert!(TestApp::is_readiness_answer(app.readyz().await).await);
+    assert_eq!(app.metrics().await.status(), StatusCode::OK);
+    assert_eq!(app.sale(&sale.sku).await.status(), StatusCode::OK);
     app.stop().await;
-}
-
-/// The app's MySQL behind a relay that counts what the app sends it.
-fn through_relay(s: &mut flashsale::config::Settings, relay_port: u16) {
-    let url = secrecy::ExposeSecret::expose_secret(&s.mysql.url)
-        .replace(":3306/", &format!(":{relay_port}/"));
-    s.mysql.url = secrecy::SecretString::from(url);
 }
 
 /// `count` requests for `path`, all sent at once; their statuses, with the body
 /// of each answer other than `200`.
-async fn flood(
-    app: &crate::helpers::TestApp,
-    path: &str,
-    count: usize,
-) -> Vec<(StatusCode, Option<String>)> {
-    let url = app.url(path);
-    futures::future::join_all((0..count).map(|_| {
-        let (client, url) = (app.client.clone(), url.clone());
-        async move {
-            let resp = client.get(url).send().await.expect("sent");
-            let status = resp.status();
-            let body = if status == StatusCode::OK {
-                None
-            } else {
-                resp.text().await.ok()
-            };
-            (status, body)
-        }
+async fn flood(app: &TestApp, path: &str, count: usize) -> Vec<(StatusCode, Option<String>)> {
+    futures::future::join_all((0..count).map(|_| async move {
+        let resp = app.get(path).await;
+        let status = resp.status();
+        let body = if status == StatusCode::OK {
+            None
+        } else {
+            resp.text().await.ok()
+        };
+        (status, body)
     }))
     .await
 }
@@ -418,15 +352,14 @@ async fn flood(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_readiness_probes_costs_the_database_nothing() {
     const PROBES: usize = 2_000;
-    let relay = crate::helpers::Relay::start("127.0.0.1:3306").await;
-    let port = relay.port;
-    let app = crate::helpers::spawn_app_with(|s| {
-        through_relay(s, port);
-        // Nothing else of the app talks to MySQL meanwhile: the activity cache
-        // reads once at start (the workers are off in tests).
-        s.activities.refresh_interval_ms = 3_600_000;
-    })
-    .await;
+    let relay = Relay::start("127.0.0.1:3306").await;
+    // Nothing else of the app talks to MySQL meanwhile: the activity cache
+    // reads once at start (the workers are off in tests).
+    let app = TestApp::builder()
+        .mysql_via(&relay)
+        .cache_refresh_ms(3_600_000)
+        .spawn()
+        .await;
     app.wait_ready().await;
     let before = relay.bytes_sent();
     let started = std::time::Instant::now();
@@ -458,14 +391,10 @@ async fn a_flood_of_readiness_probes_costs_the_database_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_scrapes_reads_redis_once_a_second_at_most() {
     const SCRAPES: usize = 1_000;
-    let relay = crate::helpers::Relay::start("127.0.0.1:6379").await;
-    let port = relay.port;
-    let app = crate::helpers::spawn_app_with(|s| {
-        s.redis.url = format!("redis://127.0.0.1:{port}");
-    })
-    .await;
+    let relay = Relay::start("127.0.0.1:6379").await;
+    let app = TestApp::builder().redis_via(&relay).spawn().await;
     let sale = app.open_sale(10, 1).await;
-    let first = app.get("/metrics").await.text().await.expect("text");
+    let first = app.metrics_text().await;
     assert!(
         first.contains(&format!(
             "flashsale_activity_units_left{{activity_id=\"{}\"}} 10",
@@ -497,18 +426,10 @@ async fn a_flood_of_scrapes_reads_redis_once_a_second_at_most() {
         "flashsale_activity_units_left{{activity_id=\"{}\"}} 9",
         sale.id
     );
-    crate::helpers::eventually(
-        std::time::Duration::from_secs(3),
+    eventually(
+        Duration::from_secs(3),
         "the scrape to show the unit sold",
-        || async {
-            app.get("/metrics")
-                .await
-                .text()
-                .await
-                .ok()?
-                .contains(&line)
-                .then_some(())
-        },
+        || async { app.metrics_text().await.contains(&line).then_some(()) },
     )
     .await;
     app.stop().await;
@@ -541,18 +462,15 @@ async fn the_first_scrape_has_every_metric_the_alerts_use() {
         assert!(alerted.contains(name), "{name} in {alerted:?}");
     }
     // A sale running when the instance (re)starts.
-    let app = crate::helpers::spawn_app().await;
+    let app = spawn_app().await;
     let sale = app.open_sale(10, 1).await;
     let dir = tempfile::tempdir().expect("a temporary folder");
     let env = app.binary_env();
     let service =
         tokio::task::block_in_place(|| testkit::process::Service::start("serve", &env, dir.path()));
     let text = app
-        .client
-        .get(format!("{}/metrics", service.base()))
-        .send()
+        .send(app.api.on(service.base()).metrics())
         .await
-        .expect("sent")
         .text()
         .await
         .expect("text");
@@ -584,7 +502,7 @@ async fn the_first_scrape_has_every_metric_the_alerts_use() {
 /// `FLASHSALE_ENV` says (the kit runs the binary with `test`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_development_secrets_are_refused_on_a_public_address() {
-    let app = crate::helpers::spawn_app().await;
+    let app = spawn_app().await;
     let dir = tempfile::tempdir().expect("a temporary folder");
     let mut env = app.binary_env();
     env.set(
@@ -595,14 +513,10 @@ async fn the_development_secrets_are_refused_on_a_public_address() {
     env.set("RUST_BACKTRACE", "0");
     let mut serve =
         testkit::process::flashsale(&["serve"], &env, dir.path().join("serve.log"), "serve");
-    let exited = crate::helpers::eventually(
-        std::time::Duration::from_secs(20),
-        "serve to refuse to start",
-        || {
-            let exited = serve.try_wait();
-            async move { exited }
-        },
-    )
+    let exited = eventually(Duration::from_secs(20), "serve to refuse to start", || {
+        let exited = serve.try_wait();
+        async move { exited }
+    })
     .await;
     let log = serve.log_tail(20);
     assert!(!exited, "exited with success:\n{log}");

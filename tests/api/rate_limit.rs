@@ -2,15 +2,11 @@
 
 use reqwest::StatusCode;
 
-use crate::helpers::{assert_error, spawn_app_with};
+use crate::helpers::{assert_error, TestApp};
 
 #[tokio::test]
 async fn a_user_over_quota_gets_429_while_another_is_served() {
-    let app = spawn_app_with(|s| {
-        s.rate_limit.per_user_per_sec = 1;
-        s.rate_limit.per_user_burst = 2;
-    })
-    .await;
+    let app = TestApp::builder().per_user_limit(1, 2).spawn().await;
     let sale = app.open_sale(10, 1).await;
 
     let mut statuses = Vec::new();
@@ -56,20 +52,10 @@ async fn a_user_over_quota_gets_429_while_another_is_served() {
 
 #[tokio::test]
 async fn per_ip_limit_applies_before_auth() {
-    let app = spawn_app_with(|s| {
-        s.rate_limit.per_ip_per_sec = 1;
-        s.rate_limit.per_ip_burst = 3;
-    })
-    .await;
+    let app = TestApp::builder().per_ip_limit(1, 3).spawn().await;
     let mut statuses = Vec::new();
     for _ in 0..6 {
-        let resp = app
-            .client
-            .get(app.url("/flash/unknown-sku"))
-            .send()
-            .await
-            .expect("sent");
-        statuses.push(resp.status());
+        statuses.push(app.sale("unknown-sku").await.status());
     }
     assert_eq!(&statuses[..3], &[StatusCode::NOT_FOUND; 3]);
     assert!(
@@ -79,28 +65,17 @@ async fn per_ip_limit_applies_before_auth() {
         "{statuses:?}"
     );
     // Probes are not limited.
-    let health = app
-        .client
-        .get(app.url("/healthz"))
-        .send()
-        .await
-        .expect("sent");
+    let health = app.healthz().await;
     assert_eq!(health.status(), StatusCode::OK);
     app.stop().await;
 }
 
 /// Fires `n` requests at an unknown SKU, each with its own forged
 /// `X-Forwarded-For`, and returns how many were rate limited.
-async fn forged_clients(app: &crate::helpers::TestApp, n: usize) -> usize {
+async fn forged_clients(app: &TestApp, n: usize) -> usize {
     let mut limited = 0;
     for i in 0..n {
-        let resp = app
-            .client
-            .get(app.url("/flash/unknown-sku"))
-            .header("x-forwarded-for", format!("198.51.100.{i}"))
-            .send()
-            .await
-            .expect("sent");
+        let resp = forwarded_for(app, &format!("198.51.100.{i}")).await;
         if resp.status() == StatusCode::TOO_MANY_REQUESTS {
             limited += 1;
         } else {
@@ -112,11 +87,7 @@ async fn forged_clients(app: &crate::helpers::TestApp, n: usize) -> usize {
 
 #[tokio::test]
 async fn a_forged_forwarded_for_from_an_untrusted_peer_is_ignored() {
-    let app = spawn_app_with(|s| {
-        s.rate_limit.per_ip_per_sec = 1;
-        s.rate_limit.per_ip_burst = 3;
-    })
-    .await;
+    let app = TestApp::builder().per_ip_limit(1, 3).spawn().await;
     assert!(
         forged_clients(&app, 8).await >= 5,
         "one bucket for the peer, whatever the header says"
@@ -125,13 +96,11 @@ async fn a_forged_forwarded_for_from_an_untrusted_peer_is_ignored() {
 
 #[tokio::test]
 async fn behind_a_trusted_proxy_each_client_has_its_own_bucket() {
-    let app = spawn_app_with(|s| {
-        s.rate_limit.per_ip_per_sec = 1;
-        s.rate_limit.per_ip_burst = 3;
-        s.server.trusted_proxies =
-            flashsale::config::TrustedProxies::parse(&["127.0.0.1"]).expect("parses");
-    })
-    .await;
+    let app = TestApp::builder()
+        .per_ip_limit(1, 3)
+        .trusted_proxies(&["127.0.0.1"])
+        .spawn()
+        .await;
     assert_eq!(
         forged_clients(&app, 8).await,
         0,
@@ -140,14 +109,7 @@ async fn behind_a_trusted_proxy_each_client_has_its_own_bucket() {
     // One client behind the proxy still has one bucket.
     let mut statuses = Vec::new();
     for _ in 0..6 {
-        let resp = app
-            .client
-            .get(app.url("/flash/unknown-sku"))
-            .header("x-forwarded-for", "203.0.113.50")
-            .send()
-            .await
-            .expect("sent");
-        statuses.push(resp.status());
+        statuses.push(forwarded_for(&app, "203.0.113.50").await.status());
     }
     assert!(
         statuses[3..]
@@ -155,4 +117,13 @@ async fn behind_a_trusted_proxy_each_client_has_its_own_bucket() {
             .all(|s| *s == StatusCode::TOO_MANY_REQUESTS),
         "{statuses:?}"
     );
+}
+
+/// `GET /flash/unknown-sku` with this `X-Forwarded-For`.
+async fn forwarded_for(app: &TestApp, client: &str) -> reqwest::Response {
+    let request = app
+        .api
+        .sale("unknown-sku")
+        .header("x-forwarded-for", client);
+    app.send(request).await
 }

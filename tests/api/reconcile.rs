@@ -1,31 +1,15 @@
 //! The reconciler: reservations that never reached MySQL, stock drift, Redis loss.
 
-use std::time::Duration;
-
 use flashsale::kafka::ReservationMessage;
 use reqwest::StatusCode;
-use serde_json::Value;
 
 use crate::helpers::{
-    assert_error, db_available, eventually, order_counts, spawn_app_with, TestApp,
+    assert_error, eventually, spawn_app, Sale, SaleSpec, TestApp, TestAppBuilder, WAIT,
 };
 
-const WAIT: Duration = Duration::from_secs(60);
-
-fn workers(s: &mut flashsale::config::Settings) {
-    s.consumer.enabled = true;
-    s.consumer.batch_wait_ms = 10;
-    s.reconcile.pending_deadline_secs = 2;
-}
-
-async fn drained(app: &TestApp) {
-    eventually(WAIT, "the consumers to drain", || async {
-        let lag = flashsale::kafka::consumer_lag(&app.settings.kafka)
-            .await
-            .ok()?;
-        (lag == 0).then_some(())
-    })
-    .await;
+/// The consumer inside the app, and pending reservations decided after 2 s.
+fn with_workers() -> TestAppBuilder {
+    TestApp::builder().workers().pending_deadline_secs(2)
 }
 
 /// The process died between Redis and Kafka: the reservation is pending, never
@@ -34,7 +18,7 @@ async fn drained(app: &TestApp) {
 /// it decided and writes nothing.
 #[tokio::test]
 async fn a_reservation_that_never_reached_the_queue_is_withdrawn_once() {
-    let app = spawn_app_with(workers).await;
+    let app = with_workers().spawn().await;
     let sale = app.open_sale(5, 1).await;
     let old = chrono::Utc::now() - chrono::Duration::seconds(30);
     let reserved = app
@@ -58,11 +42,8 @@ async fn a_reservation_that_never_reached_the_queue_is_withdrawn_once() {
         app.reserve(&sale.sku, "normal", None).await.status(),
         StatusCode::ACCEPTED
     );
-    eventually(WAIT, "the normal order", || async {
-        (order_counts(&app, &sale.id).await.values().sum::<i64>() == 1).then_some(())
-    })
-    .await;
-    drained(&app).await;
+    app.wait_for_orders(&sale.id, 1).await;
+    app.wait_drained().await;
     assert_eq!(app.redis_stock(&sale).await, Some(3));
 
     let report = app.reconcile(&sale.id).await;
@@ -79,31 +60,8 @@ async fn a_reservation_that_never_reached_the_queue_is_withdrawn_once() {
     assert_eq!(again["expired_pending"], 0, "{again}");
     assert_eq!(app.redis_stock(&sale).await, Some(4), "returned once");
 
-    // The late message loses: no order, no second refund.
-    app.state
-        .publisher
-        .publish(&ReservationMessage {
-            reservation_id: "ghost-reservation".into(),
-            activity_id: sale.id.clone(),
-            sku: sale.sku.clone(),
-            user_id: "ghost".into(),
-            quantity: 1,
-            reserved_at: old,
-        })
-        .await
-        .expect("publish");
-    drained(&app).await;
-    let counts = order_counts(&app, &sale.id).await;
-    assert_eq!(counts.get("failed"), None, "{counts:?}");
-    assert_eq!(counts.get("pending_payment"), Some(&1), "{counts:?}");
-    let (withdrawn,): (i64,) = sqlx::query_as(
-        "SELECT COUNT(*) FROM withdrawals WHERE reservation_id = 'ghost-reservation'",
-    )
-    .fetch_one(&app.state.pool)
-    .await
-    .expect("withdrawals");
-    assert_eq!(withdrawn, 1);
-    assert_eq!(db_available(&app, &sale.id).await, 4);
+    the_late_message_loses(&app, &sale, old).await;
+    assert_eq!(app.db_available(&sale.id).await, 4);
     assert_eq!(app.redis_stock(&sale).await, Some(4));
     // Nothing was ever acknowledged to the ghost: its right is back.
     assert_eq!(
@@ -113,20 +71,47 @@ async fn a_reservation_that_never_reached_the_queue_is_withdrawn_once() {
     app.stop().await;
 }
 
+/// The ghost's message turns up after the withdrawal: no order, no second
+/// refund, one withdrawal.
+async fn the_late_message_loses(
+    app: &TestApp,
+    sale: &Sale,
+    reserved_at: chrono::DateTime<chrono::Utc>,
+) {
+    app.state
+        .publisher
+        .publish(&ReservationMessage {
+            reservation_id: "ghost-reservation".into(),
+            activity_id: sale.id.clone(),
+            sku: sale.sku.clone(),
+            user_id: "ghost".into(),
+            quantity: 1,
+            reserved_at,
+        })
+        .await
+        .expect("publish");
+    app.wait_drained().await;
+    let counts = app.order_counts(&sale.id).await;
+    assert_eq!(counts.get("failed"), None, "{counts:?}");
+    assert_eq!(counts.get("pending_payment"), Some(&1), "{counts:?}");
+    let (withdrawn,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM withdrawals WHERE reservation_id = 'ghost-reservation'",
+    )
+    .fetch_one(&app.state.pool)
+    .await
+    .expect("withdrawals");
+    assert_eq!(withdrawn, 1);
+}
+
 /// A `202` is a promise: with no consumer running, an acknowledged reservation past
 /// the deadline is honoured by the reconciler (the order is written from Redis's
 /// record), never failed; its message, when it is consumed, is a duplicate.
 #[tokio::test]
 async fn an_acknowledged_reservation_is_honoured_when_the_consumer_is_down() {
-    let app = spawn_app_with(|s| {
-        s.consumer.enabled = false;
-        s.reconcile.pending_deadline_secs = 1;
-    })
-    .await;
+    // No consumer running.
+    let app = TestApp::builder().pending_deadline_secs(1).spawn().await;
     let sale = app.open_sale(5, 1).await;
-    let resp = app.reserve(&sale.sku, "patient", None).await;
-    assert_eq!(resp.status(), StatusCode::ACCEPTED);
-    let body: Value = resp.json().await.expect("json");
+    let body = app.reserve_accepted(&sale.sku, "patient").await;
     let reservation_id = body["reservation_id"].as_str().expect("id").to_owned();
     let report = eventually(WAIT, "the reconciler to honour it", || async {
         let r = app.reconcile(&sale.id).await;
@@ -134,16 +119,11 @@ async fn an_acknowledged_reservation_is_honoured_when_the_consumer_is_down() {
     })
     .await;
     assert_eq!(report["withdrawn"], 0, "{report}");
-    let counts = order_counts(&app, &sale.id).await;
+    let counts = app.order_counts(&sale.id).await;
     assert_eq!(counts.get("pending_payment"), Some(&1), "{counts:?}");
-    assert_eq!(db_available(&app, &sale.id).await, 4);
+    assert_eq!(app.db_available(&sale.id).await, 4);
     assert_eq!(app.redis_stock(&sale).await, Some(4));
-    let snap = app
-        .state
-        .stock
-        .snapshot(&sale.id, sale.shards)
-        .await
-        .expect("snapshot");
+    let snap = app.redis_snapshot(&sale).await;
     assert_eq!(snap.pending, 0);
     // The message, consumed late, changes nothing.
     let late = flashsale::orders::Incoming {
@@ -159,13 +139,13 @@ async fn an_acknowledged_reservation_is_honoured_when_the_consumer_is_down() {
         .await
         .expect("apply");
     assert_eq!(decisions, vec![flashsale::orders::Decision::Duplicate]);
-    assert_eq!(db_available(&app, &sale.id).await, 4);
+    assert_eq!(app.db_available(&sale.id).await, 4);
     app.stop().await;
 }
 
 #[tokio::test]
 async fn stock_drift_is_reported_and_repaired_when_safe() {
-    let app = spawn_app_with(workers).await;
+    let app = with_workers().spawn().await;
     let sale = app.open_sale(10, 1).await;
     for u in ["a", "b", "c"] {
         assert_eq!(
@@ -173,11 +153,8 @@ async fn stock_drift_is_reported_and_repaired_when_safe() {
             StatusCode::ACCEPTED
         );
     }
-    eventually(WAIT, "three orders", || async {
-        (order_counts(&app, &sale.id).await.values().sum::<i64>() == 3).then_some(())
-    })
-    .await;
-    drained(&app).await;
+    app.wait_for_orders(&sale.id, 3).await;
+    app.wait_drained().await;
     let report = app.reconcile(&sale.id).await;
     assert_eq!(report["drift"], 0, "{report}");
 
@@ -203,21 +180,13 @@ async fn stock_drift_is_reported_and_repaired_when_safe() {
 /// MySQL once drained, resumed; earlier buyers keep their place.
 #[tokio::test]
 async fn redis_loss_pauses_rebuilds_and_resumes() {
-    let app = spawn_app_with(|s| {
-        workers(s);
-        s.reconcile.enabled = true;
-        s.reconcile.interval_secs = 3600;
-    })
-    .await;
+    let app = with_workers().reconciler_every(3600).spawn().await;
     let sale = app.open_sale(5, 1).await;
     assert_eq!(
         app.reserve(&sale.sku, "early", None).await.status(),
         StatusCode::ACCEPTED
     );
-    eventually(WAIT, "the early order", || async {
-        (order_counts(&app, &sale.id).await.values().sum::<i64>() == 1).then_some(())
-    })
-    .await;
+    app.wait_for_orders(&sale.id, 1).await;
     // As if Redis restarted empty: this activity's keys are gone (only its own,
     // so the tests running beside this one keep theirs).
     let keys = flashsale::stock::Keys::new(&sale.id);
@@ -261,7 +230,7 @@ async fn redis_loss_pauses_rebuilds_and_resumes() {
 /// A flushed script cache costs one extra round trip, never a failed request.
 #[tokio::test]
 async fn script_flush_fails_no_request() {
-    let app = spawn_app_with(|_| {}).await;
+    let app = spawn_app().await;
     let sale = app.open_sale(50, 1).await;
     let mut conn = app.state.stock.connection();
     for i in 0..20 {
@@ -286,17 +255,14 @@ async fn script_flush_fails_no_request() {
 /// rebuilds it from MySQL once drained and resumes it.
 #[tokio::test]
 async fn an_older_build_in_redis_is_detected_and_rebuilt() {
-    let app = spawn_app_with(workers).await;
+    let app = with_workers().spawn().await;
     let sale = app.open_sale(5, 1).await;
     assert_eq!(
         app.reserve(&sale.sku, "early", None).await.status(),
         StatusCode::ACCEPTED
     );
-    eventually(WAIT, "the early order", || async {
-        (order_counts(&app, &sale.id).await.values().sum::<i64>() == 1).then_some(())
-    })
-    .await;
-    drained(&app).await;
+    app.wait_for_orders(&sale.id, 1).await;
+    app.wait_drained().await;
     // As a replica that missed the build would: an older epoch, and a stock that
     // forgot the early order.
     let keys = flashsale::stock::Keys::new(&sale.id);
@@ -341,11 +307,11 @@ async fn an_older_build_in_redis_is_detected_and_rebuilt() {
 /// comes, then brings Redis level with MySQL, not above it.
 #[tokio::test]
 async fn a_lowered_stock_leaves_room_for_the_units_still_owed_to_redis() {
-    let app = spawn_app_with(workers).await;
+    let app = with_workers().spawn().await;
     let sale = app
-        .open_sale_spec(&testkit::sale::SaleSpec {
+        .open_sale_spec(&SaleSpec {
             per_user_limit: 2,
-            ..testkit::sale::SaleSpec::new(4)
+            ..SaleSpec::new(4)
         })
         .await;
     let buy = |user: &'static str, quantity: u32| {
@@ -363,10 +329,7 @@ async fn a_lowered_stock_leaves_room_for_the_units_still_owed_to_redis() {
         }
     };
     buy("lapser", 1).await;
-    eventually(WAIT, "the lapser's order", || async {
-        (order_counts(&app, &sale.id).await.get("pending_payment") == Some(&1)).then_some(())
-    })
-    .await;
+    app.wait_for_status(&sale.id, "pending_payment", 1).await;
     // Its payment lapses: cancelled in MySQL (the unit is back in MySQL's count),
     // not yet refunded to Redis (the sweeper's Redis step comes later).
     sqlx::query("UPDATE orders SET expires_at = NOW(3) - INTERVAL 1 SECOND WHERE activity_id = ?")
@@ -376,7 +339,7 @@ async fn a_lowered_stock_leaves_room_for_the_units_still_owed_to_redis() {
         .expect("expire the order");
     let cancelled = app.state.orders.cancel_expired(10).await.expect("cancel");
     assert_eq!(cancelled.len(), 1);
-    assert_eq!(db_available(&app, &sale.id).await, 4);
+    assert_eq!(app.db_available(&sale.id).await, 4);
     assert_eq!(app.redis_stock(&sale).await, Some(3));
     // The incident: Redis holds 4 units more than it should.
     let k = flashsale::stock::Keys::shard(&sale.id, 1, 0);
@@ -386,25 +349,18 @@ async fn a_lowered_stock_leaves_room_for_the_units_still_owed_to_redis() {
         .expect("incr");
     buy("first", 2).await;
     buy("second", 1).await;
-    eventually(WAIT, "two more orders", || async {
-        (order_counts(&app, &sale.id).await.get("pending_payment") == Some(&2)).then_some(())
-    })
-    .await;
+    app.wait_for_status(&sale.id, "pending_payment", 2).await;
     // MySQL has 1 unit left; Redis hands out 2 more to one user: refused.
     buy("refused", 2).await;
     eventually(WAIT, "the refusal", || async {
-        let failed = order_counts(&app, &sale.id).await.get("failed") == Some(&1);
+        let failed = app.order_counts(&sale.id).await.get("failed") == Some(&1);
         let s = app.state.stock.snapshot(&sale.id, 1).await.ok()?;
         (failed && s.pending == 0).then_some(())
     })
     .await;
-    assert_eq!(db_available(&app, &sale.id).await, 1);
+    assert_eq!(app.db_available(&sale.id).await, 1);
     // The lapse's refund, as the sweeper makes it.
-    let sweeper = flashsale::orders::Sweeper {
-        repo: app.state.orders.clone(),
-        stock: app.state.stock.clone(),
-    };
-    let swept = sweeper.sweep_once().await.expect("sweep");
+    let swept = app.sweeper().sweep_once().await.expect("sweep");
     assert_eq!(swept.returned, 1, "{swept:?}");
     assert_eq!(
         app.redis_stock(&sale).await,

@@ -1,55 +1,13 @@
 //! The reserve path end to end: Redis Lua → Kafka → 202.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::time::Duration;
 
 use flashsale::stock::{RefundMode, RefundOutcome};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
-use tokio::sync::Semaphore;
 
-use crate::helpers::{assert_error, read_topic, spawn_app, spawn_app_with, OwnBroker};
-
-/// Fires `clicks` concurrent reserve requests for each of `users` users and returns
-/// (user, status, body) for every answer.
-pub(crate) async fn crowd(
-    app: &crate::helpers::TestApp,
-    sku: &str,
-    users: usize,
-    clicks: usize,
-    parallel: usize,
-) -> Vec<(String, StatusCode, Value)> {
-    let gate = Arc::new(Semaphore::new(parallel));
-    let mut tasks = Vec::with_capacity(users * clicks);
-    for u in 0..users {
-        let user = format!("user-{u}");
-        let token = app.token(&user);
-        for _ in 0..clicks {
-            let client = app.client.clone();
-            let url = app.url(&format!("/flash/{sku}/reserve"));
-            let token = token.clone();
-            let user = user.clone();
-            let gate = gate.clone();
-            tasks.push(tokio::spawn(async move {
-                let _permit = gate.acquire_owned().await.expect("semaphore open");
-                let resp = client
-                    .post(url)
-                    .bearer_auth(token)
-                    .send()
-                    .await
-                    .expect("request sent");
-                let status = resp.status();
-                let body: Value = resp.json().await.expect("JSON body");
-                (user, status, body)
-            }));
-        }
-    }
-    let mut out = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        out.push(t.await.expect("request task"));
-    }
-    out
-}
+use crate::helpers::{assert_error, eventually, read_topic, spawn_app, unique, OwnBroker, TestApp};
 
 /// The seed's test: 100 users click twice, 200 concurrent requests for 10 units.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -57,7 +15,7 @@ async fn seed_test_200_requests_for_10_units() {
     let app = spawn_app().await;
     let sale = app.open_sale(10, 1).await;
 
-    let answers = crowd(&app, &sale.sku, 100, 2, 200).await;
+    let answers = app.crowd(&sale.sku, 100, 2, 200).await;
 
     let accepted: Vec<_> = answers
         .iter()
@@ -85,12 +43,7 @@ async fn seed_test_200_requests_for_10_units() {
     }
 
     assert_eq!(app.redis_stock(&sale).await, Some(0), "Redis stock is 0");
-    let snap = app
-        .state
-        .stock
-        .snapshot(&sale.id, sale.shards)
-        .await
-        .expect("snapshot");
+    let snap = app.redis_snapshot(&sale).await;
     assert_eq!(snap.buyers, 10, "10 buyers recorded");
     assert_eq!(snap.pending, 10, "10 reservations pending");
 
@@ -119,7 +72,7 @@ async fn scale_4000_requests_for_100_units() {
     let app = spawn_app().await;
     let sale = app.open_sale(100, 1).await;
 
-    let answers = crowd(&app, &sale.sku, 2000, 2, 256).await;
+    let answers = app.crowd(&sale.sku, 2000, 2, 256).await;
 
     let server_errors: Vec<_> = answers
         .iter()
@@ -157,9 +110,7 @@ async fn a_winner_repeating_gets_the_same_reservation() {
     let app = spawn_app().await;
     let sale = app.open_sale(5, 1).await;
 
-    let first = app.reserve(&sale.sku, "alice", None).await;
-    assert_eq!(first.status(), StatusCode::ACCEPTED);
-    let first: Value = first.json().await.expect("json");
+    let first = app.reserve_accepted(&sale.sku, "alice").await;
     let id = first["reservation_id"].as_str().expect("id").to_owned();
 
     let again = app.reserve(&sale.sku, "alice", None).await;
@@ -171,15 +122,8 @@ async fn a_winner_repeating_gets_the_same_reservation() {
         "a retry holds no second unit"
     );
 
-    let status = app
-        .client
-        .get(app.url(&format!("/flash/{}/reservation", sale.sku)))
-        .bearer_auth(app.token("alice"))
-        .send()
-        .await
-        .expect("sent");
-    assert_eq!(status.status(), StatusCode::OK);
-    let status: Value = status.json().await.expect("json");
+    let (status_code, status) = app.reservation_state(&sale.sku, "alice").await;
+    assert_eq!(status_code, StatusCode::OK);
     assert_eq!(status["reservation_id"], id.as_str());
     assert_eq!(status["status"], "pending");
     app.stop().await;
@@ -212,9 +156,7 @@ async fn quantity_up_to_the_per_user_limit() {
 async fn refund_twice_returns_one_unit() {
     let app = spawn_app().await;
     let sale = app.open_sale(3, 1).await;
-    let resp = app.reserve(&sale.sku, "dave", None).await;
-    assert_eq!(resp.status(), StatusCode::ACCEPTED);
-    let body: Value = resp.json().await.expect("json");
+    let body = app.reserve_accepted(&sale.sku, "dave").await;
     let id = body["reservation_id"].as_str().expect("id");
     assert_eq!(app.redis_stock(&sale).await, Some(2));
 
@@ -248,7 +190,7 @@ async fn refund_twice_returns_one_unit() {
 async fn sold_out_is_not_confused_with_not_loaded() {
     let app = spawn_app().await;
     let now = chrono::Utc::now();
-    let sku = crate::helpers::unique("sku-");
+    let sku = unique("sku-");
     let resp = app
         .create_activity(json!({
             "sku": sku, "stock": 5,
@@ -279,11 +221,11 @@ async fn sold_out_is_not_confused_with_not_loaded() {
 async fn broker_down_answers_503_and_holds_no_stock() {
     let mut broker = OwnBroker::start();
     let brokers = broker.brokers();
-    let app = spawn_app_with(|s| {
-        s.kafka.brokers = brokers;
-        s.kafka.publish_timeout_ms = 1500;
-    })
-    .await;
+    let app = TestApp::builder()
+        .kafka_brokers(brokers)
+        .publish_timeout_ms(1500)
+        .spawn()
+        .await;
     let sale = app.open_sale(10, 1).await;
     let ok = app.reserve(&sale.sku, "frank", None).await;
     assert_eq!(ok.status(), StatusCode::ACCEPTED);
@@ -297,21 +239,16 @@ async fn broker_down_answers_503_and_holds_no_stock() {
         .as_str()
         .is_some_and(|m| !m.contains("127.0.0.1")));
     assert_eq!(app.redis_stock(&sale).await, Some(9), "the unit came back");
-    let snap = app
-        .state
-        .stock
-        .snapshot(&sale.id, sale.shards)
-        .await
-        .expect("snapshot");
+    let snap = app.redis_snapshot(&sale).await;
     assert_eq!(snap.pending, 1, "only frank's reservation is pending");
     assert_eq!(snap.buyers, 1, "grace may try again");
     // The prober sees the broker gone within a round or two (its metadata
     // request gives up after a second).
-    let body = crate::helpers::eventually(
-        std::time::Duration::from_secs(5),
+    let body = eventually(
+        Duration::from_secs(5),
         "readiness to report the broker down",
         || async {
-            let resp = app.get("/readyz").await;
+            let resp = app.readyz().await;
             let status = resp.status();
             let body: Value = resp.json().await.ok()?;
             (status == StatusCode::SERVICE_UNAVAILABLE && body["checks"]["kafka"] != "ok")

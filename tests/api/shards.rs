@@ -3,7 +3,6 @@
 //! between shards without ever being lost or made.
 
 use std::collections::{BTreeMap, HashSet};
-use std::time::Duration;
 
 use flashsale::stock::{home_shard, Keys, RefundMode, RefundOutcome};
 use redis::AsyncCommands;
@@ -11,12 +10,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use testkit::sale::SaleSpec;
 
-use crate::helpers::{
-    assert_error, eventually, order_counts, spawn_app, spawn_app_with, with_workers, TestApp,
-};
-use crate::reserve::crowd;
-
-const WAIT: Duration = Duration::from_secs(60);
+use crate::helpers::{assert_error, eventually, spawn_app, Sale, TestApp, WAIT};
 
 fn spec(stock: u32, per_user_limit: u32, stock_shards: u8) -> SaleSpec {
     SaleSpec {
@@ -45,7 +39,7 @@ fn tally(answers: &[(String, StatusCode, Value)]) -> (BTreeMap<String, usize>, H
 }
 
 /// Each shard's units left, buyers and pending reservations, read directly.
-async fn shards(app: &TestApp, sale: &crate::helpers::Sale) -> Vec<(i64, usize, usize)> {
+async fn shards(app: &TestApp, sale: &Sale) -> Vec<(i64, usize, usize)> {
     let mut conn = app.state.stock.connection();
     let mut out = Vec::new();
     for k in Keys::all(&sale.id, sale.shards) {
@@ -71,7 +65,7 @@ async fn three_shards_sell_exactly_what_one_shard_sells() {
         let mut results = Vec::new();
         for k in [1u8, 3] {
             let sale = app.open_sale_spec(&spec(stock, 1, k)).await;
-            let answers = crowd(&app, &sale.sku, users, 2, 200).await;
+            let answers = app.crowd(&sale.sku, users, 2, 200).await;
             let (by_answer, winners) = tally(&answers);
             assert_eq!(winners.len(), stock as usize, "K = {k}: {by_answer:?}");
             assert_eq!(app.redis_stock(&sale).await, Some(0), "K = {k}: all sold");
@@ -102,7 +96,7 @@ async fn three_shards_sell_exactly_what_one_shard_sells() {
 async fn a_user_never_wins_twice_across_shards() {
     let app = spawn_app().await;
     let sale = app.open_sale_spec(&spec(60, 1, 3)).await;
-    let answers = crowd(&app, &sale.sku, 40, 5, 200).await;
+    let answers = app.crowd(&sale.sku, 40, 5, 200).await;
     let (by_answer, winners) = tally(&answers);
     assert_eq!(winners.len(), 40, "{by_answer:?}");
     assert_eq!(by_answer.get("409"), Some(&160), "{by_answer:?}");
@@ -254,7 +248,7 @@ async fn the_reconciler_finishes_a_transfer_left_half_done() {
 /// in transit for good (and then repaired out of the stock).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loan_closed_after_a_rebuild_is_not_written_back() {
-    let app = spawn_app_with(with_workers).await;
+    let app = TestApp::builder().workers().spawn().await;
     let sale = app.open_sale_spec(&spec(3, 1, 3)).await;
     // Two users of one home shard: the second borrows from a sibling.
     let mut users = (0..).map(|i| format!("neighbour-{i}"));
@@ -287,19 +281,10 @@ async fn a_loan_closed_after_a_rebuild_is_not_written_back() {
         Some(false),
         "the borrower received it with the reservation"
     );
-    eventually(WAIT, "two orders", || async {
-        (order_counts(&app, &sale.id).await.get("pending_payment") == Some(&2)).then_some(())
-    })
-    .await;
-    eventually(WAIT, "nothing pending", || async {
-        let s = app.state.stock.snapshot(&sale.id, 3).await.ok()?;
-        (s.pending == 0).then_some(())
-    })
-    .await;
+    app.wait_for_status(&sale.id, "pending_payment", 2).await;
+    app.wait_nothing_pending(&sale).await;
     for step in ["pause", "preload", "resume"] {
-        let resp = app
-            .admin_post(&format!("/admin/activities/{}/{step}", sale.id), None)
-            .await;
+        let resp = app.admin_step(&sale.id, step).await;
         assert_eq!(resp.status(), StatusCode::OK, "{step}");
     }
     let marked = app
@@ -331,7 +316,7 @@ async fn a_loan_closed_after_a_rebuild_is_not_written_back() {
 /// again and puts each buyer back on their home shard.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_and_preload_cover_every_shard() {
-    let app = spawn_app_with(with_workers).await;
+    let app = TestApp::builder().workers().spawn().await;
     let sale = app.open_sale_spec(&spec(6, 1, 3)).await;
     let buyers: Vec<String> = (0..4).map(|i| format!("early-{i}")).collect();
     for b in &buyers {
@@ -340,19 +325,37 @@ async fn pause_and_preload_cover_every_shard() {
             StatusCode::ACCEPTED
         );
     }
-    eventually(WAIT, "four orders", || async {
-        (order_counts(&app, &sale.id).await.get("pending_payment") == Some(&4)).then_some(())
-    })
-    .await;
-    eventually(WAIT, "nothing pending", || async {
-        let s = app.state.stock.snapshot(&sale.id, 3).await.ok()?;
-        (s.pending == 0).then_some(())
-    })
-    .await;
+    app.wait_for_status(&sale.id, "pending_payment", 4).await;
+    app.wait_nothing_pending(&sale).await;
 
-    let resp = app
-        .admin_post(&format!("/admin/activities/{}/pause", sale.id), None)
+    a_pause_reaches_every_shard(&app, &sale).await;
+    a_preload_deals_the_units_and_buyers_again(&app, &sale, &buyers).await;
+
+    let resp = app.resume(&sale.id).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    for b in &buyers {
+        assert_error(
+            app.reserve(&sale.sku, b, None).await,
+            StatusCode::CONFLICT,
+            "already_reserved",
+        )
         .await;
+    }
+    let mut late = Vec::new();
+    for i in 0..4 {
+        let resp = app.reserve(&sale.sku, &format!("late-{i}"), None).await;
+        late.push(resp.status());
+    }
+    assert_eq!(
+        late.iter().filter(|s| **s == StatusCode::ACCEPTED).count(),
+        2,
+        "{late:?}"
+    );
+}
+
+/// Paused: every request refused, every shard's state says so.
+async fn a_pause_reaches_every_shard(app: &TestApp, sale: &Sale) {
+    let resp = app.pause(&sale.id).await;
     assert_eq!(resp.status(), StatusCode::OK);
     for i in 0..6 {
         assert_error(
@@ -367,60 +370,34 @@ async fn pause_and_preload_cover_every_shard() {
         let state: Option<String> = conn.get(&k.state).await.expect("read");
         assert_eq!(state.as_deref(), Some("paused"), "shard {}", k.shard);
     }
+}
 
-    let resp = app
-        .admin_post(&format!("/admin/activities/{}/preload", sale.id), None)
-        .await;
+/// The 2 units left are dealt over the shards again, and each buyer is back
+/// on their home shard.
+async fn a_preload_deals_the_units_and_buyers_again(app: &TestApp, sale: &Sale, buyers: &[String]) {
+    let resp = app.preload(&sale.id).await;
     assert_eq!(resp.status(), StatusCode::OK);
     let body: Value = resp.json().await.expect("JSON");
     assert_eq!(body["stock"], 2);
-    let parts = shards(&app, &sale).await;
+    let parts = shards(app, sale).await;
     assert_eq!(
         parts.iter().map(|p| p.0).collect::<Vec<_>>(),
         vec![1, 1, 0],
         "the 2 units left are dealt again"
     );
-    for b in &buyers {
+    let mut conn = app.state.stock.connection();
+    for b in buyers {
         let home = Keys::shard(&sale.id, 3, home_shard(b, 3));
         let held: bool = conn.hexists(&home.buyers, b).await.expect("read");
         assert!(held, "{b} is back on their home shard");
     }
-
-    let resp = app
-        .admin_post(&format!("/admin/activities/{}/resume", sale.id), None)
-        .await;
-    assert_eq!(resp.status(), StatusCode::OK);
-    for b in &buyers {
-        assert_error(
-            app.reserve(&sale.sku, b, None).await,
-            StatusCode::CONFLICT,
-            "already_reserved",
-        )
-        .await;
-    }
-    let late: Vec<StatusCode> = {
-        let mut v = Vec::new();
-        for i in 0..4 {
-            v.push(
-                app.reserve(&sale.sku, &format!("late-{i}"), None)
-                    .await
-                    .status(),
-            );
-        }
-        v
-    };
-    assert_eq!(
-        late.iter().filter(|s| **s == StatusCode::ACCEPTED).count(),
-        2,
-        "{late:?}"
-    );
 }
 
 /// One shard's keys lost (its primary came back empty) while the others still
 /// hold the sale: the whole activity is rebuilt, and nothing is sold twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_shard_rebuilds_the_whole_sale() {
-    let app = spawn_app_with(with_workers).await;
+    let app = TestApp::builder().workers().spawn().await;
     let sale = app.open_sale_spec(&spec(6, 1, 3)).await;
     for i in 0..3 {
         assert_eq!(
@@ -430,10 +407,7 @@ async fn a_lost_shard_rebuilds_the_whole_sale() {
             StatusCode::ACCEPTED
         );
     }
-    eventually(WAIT, "three orders", || async {
-        (order_counts(&app, &sale.id).await.get("pending_payment") == Some(&3)).then_some(())
-    })
-    .await;
+    app.wait_for_status(&sale.id, "pending_payment", 3).await;
     let lost = Keys::shard(&sale.id, 3, 1);
     let mut conn = app.state.stock.connection();
     let _: () = redis::pipe()
@@ -448,9 +422,7 @@ async fn a_lost_shard_rebuilds_the_whole_sale() {
         .expect("a shard lost");
 
     eventually(WAIT, "the rebuild", || async {
-        let resp = app
-            .admin_post(&format!("/admin/activities/{}/reconcile", sale.id), None)
-            .await;
+        let resp = app.admin_step(&sale.id, "reconcile").await;
         let report: Value = resp.json().await.ok()?;
         let s = app.state.stock.snapshot(&sale.id, 3).await.ok()?;
         (s.loaded() && s.state.as_deref() == Some("open") && report["loaded"] == true).then_some(())

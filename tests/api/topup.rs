@@ -1,70 +1,29 @@
 //! `POST /admin/activities/{id}/stock`: more units during a sale, in MySQL and
 //! Redis together, while reservations, the consumer and the reconciler run.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
-
 use reqwest::StatusCode;
 use serde_json::{json, Value};
-use testkit::invariants::Answer;
-use testkit::sale::SaleSpec;
 
-use crate::helpers::{assert_error, eventually, spawn_app, spawn_app_with, with_workers};
-
-const WAIT: Duration = Duration::from_secs(60);
+use crate::helpers::{assert_error, eventually, spawn_app, Flood, SaleSpec, TestApp, WAIT};
 
 /// A flood that sells 100 units, topped up by 50 mid-sale with the reconciler
 /// running: exactly 150 winners, and the invariants hold once quiet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_top_up_mid_sale_sells_exactly_the_new_stock() {
     for shards in [1u8, 3] {
-        let app = spawn_app_with(with_workers).await;
+        let app = TestApp::builder().workers().spawn().await;
         let sale = app
             .open_sale_spec(&SaleSpec {
                 stock_shards: shards,
                 ..SaleSpec::new(100)
             })
             .await;
-        let stop = Arc::new(AtomicBool::new(false));
-        let next_user = Arc::new(AtomicUsize::new(0));
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let answers = Arc::new(Mutex::new(Vec::new()));
-        let mut workers = Vec::new();
-        for _ in 0..16 {
-            let (stop, next_user, accepted, answers) = (
-                stop.clone(),
-                next_user.clone(),
-                accepted.clone(),
-                answers.clone(),
-            );
-            let client = app.client.clone();
-            let url = app.url(&format!("/flash/{}/reserve", sale.sku));
-            let auth = app.state.auth.clone();
-            workers.push(tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    let user = format!("flood-{}", next_user.fetch_add(1, Ordering::Relaxed));
-                    let token = auth.issue(&user, 600).expect("token");
-                    let answer =
-                        Answer::from_response(client.post(&url).bearer_auth(token).send().await)
-                            .await;
-                    if answer.status == Some(202) {
-                        accepted.fetch_add(1, Ordering::Relaxed);
-                    }
-                    answers.lock().expect("answers").push(answer);
-                }
-            }));
-        }
+        let flood = Flood::start(&app, &sale.sku, 16);
         eventually(WAIT, "60 units sold", || async {
-            (accepted.load(Ordering::Relaxed) >= 60).then_some(())
+            (flood.accepted() >= 60).then_some(())
         })
         .await;
-        let resp = app
-            .admin_post(
-                &format!("/admin/activities/{}/stock", sale.id),
-                Some(json!({"add": 50})),
-            )
-            .await;
+        let resp = app.top_up(&sale.id, json!({"add": 50})).await;
         assert_eq!(resp.status(), StatusCode::OK);
         let body: Value = resp.json().await.expect("JSON");
         assert_eq!(body["stock"], 150);
@@ -72,21 +31,16 @@ async fn a_top_up_mid_sale_sells_exactly_the_new_stock() {
             app.reconcile(&sale.id).await;
         }
         eventually(WAIT, "150 units sold", || async {
-            (accepted.load(Ordering::Relaxed) >= 150 && app.redis_stock(&sale).await == Some(0))
-                .then_some(())
+            (flood.accepted() >= 150 && app.redis_stock(&sale).await == Some(0)).then_some(())
         })
         .await;
         // A few more refused, then stop.
-        let refused_from = answers.lock().expect("answers").len();
+        let refused_from = flood.answered();
         eventually(WAIT, "sold-out answers", || async {
-            (answers.lock().expect("answers").len() > refused_from + 50).then_some(())
+            (flood.answered() > refused_from + 50).then_some(())
         })
         .await;
-        stop.store(true, Ordering::Relaxed);
-        for w in workers {
-            w.await.expect("worker");
-        }
-        let answers = answers.lock().expect("answers").clone();
+        let answers = flood.stop().await;
         let probe = app.probe(&sale);
         probe.wait_quiet(WAIT).await.expect("quiet");
         let figures = probe.check(&answers).await.expect("invariants hold");
@@ -99,7 +53,6 @@ async fn a_top_up_mid_sale_sells_exactly_the_new_stock() {
 async fn bad_top_ups_are_refused_and_change_nothing() {
     let app = spawn_app().await;
     let sale = app.open_sale(5, 1).await;
-    let path = format!("/admin/activities/{}/stock", sale.id);
     for body in [
         json!({"add": 0}),
         json!({"add": -3}),
@@ -109,21 +62,13 @@ async fn bad_top_ups_are_refused_and_change_nothing() {
         json!({}),
         json!({"add": 1, "extra": true}),
     ] {
-        let resp = app.admin_post(&path, Some(body)).await;
+        let resp = app.top_up(&sale.id, body).await;
         assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
     }
-    let resp = app
-        .admin_post(
-            "/admin/activities/no-such-activity/stock",
-            Some(json!({"add": 1})),
-        )
-        .await;
+    let resp = app.top_up("no-such-activity", json!({"add": 1})).await;
     assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
     assert_eq!(app.redis_stock(&sale).await, Some(5));
-    let resp = app
-        .admin_get(&format!("/admin/activities/{}", sale.id))
-        .await;
-    let body: Value = resp.json().await.expect("JSON");
+    let body = app.activity_figures(&sale.id).await;
     assert_eq!(body["stock"], 5);
     assert_eq!(body["available"], 5);
 }
@@ -147,6 +92,14 @@ async fn the_reconciler_finishes_a_top_up_and_a_rebuild_counts_it_once() {
         "Redis has not got it"
     );
     let reconcile = || app.reconcile(&sale.id);
+    // The Redis step of the same top-up, arriving late.
+    let late_redis_step = || async {
+        app.state
+            .stock
+            .top_up(&sale.id, 1, &key, 7)
+            .await
+            .expect("redis")
+    };
     let report = reconcile().await;
     assert_eq!(report["topups_finished"], 1, "{report}");
     assert_eq!(report["drift"], 0, "{report}");
@@ -155,28 +108,19 @@ async fn the_reconciler_finishes_a_top_up_and_a_rebuild_counts_it_once() {
     assert_eq!(report["topups_finished"], 0, "{report}");
     assert_eq!(app.redis_stock(&sale).await, Some(12));
     // The late Redis step of the same top-up adds nothing.
-    let again = app
-        .state
-        .stock
-        .top_up(&sale.id, 1, &key, 7)
-        .await
-        .expect("redis");
-    assert_eq!(again, flashsale::stock::RefundOutcome::AlreadyRefunded);
+    assert_eq!(
+        late_redis_step().await,
+        flashsale::stock::RefundOutcome::AlreadyRefunded
+    );
     // A rebuild from MySQL holds it once, and remembers it.
-    app.admin_post(&format!("/admin/activities/{}/pause", sale.id), None)
-        .await;
-    let resp = app
-        .admin_post(&format!("/admin/activities/{}/preload", sale.id), None)
-        .await;
+    app.pause(&sale.id).await;
+    let resp = app.preload(&sale.id).await;
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(app.redis_stock(&sale).await, Some(12));
-    let again = app
-        .state
-        .stock
-        .top_up(&sale.id, 1, &key, 7)
-        .await
-        .expect("redis");
-    assert_eq!(again, flashsale::stock::RefundOutcome::AlreadyRefunded);
+    assert_eq!(
+        late_redis_step().await,
+        flashsale::stock::RefundOutcome::AlreadyRefunded
+    );
     assert_eq!(app.redis_stock(&sale).await, Some(12));
 }
 
@@ -187,25 +131,17 @@ async fn the_reconciler_finishes_a_top_up_and_a_rebuild_counts_it_once() {
 async fn another_instance_s_reconciler_keeps_a_fresh_top_up() {
     let a = spawn_app().await;
     let sale = a.open_sale(5, 1).await;
-    let db = a.settings.mysql.url.clone();
-    let kafka = a.settings.kafka.clone();
     // Its cache is loaded at start (with the sale) and not refreshed again within
     // the test, the widest form of the window every instance has.
-    let b = spawn_app_with(|s| {
-        s.mysql.url = db;
-        s.kafka = kafka;
-        s.reconcile.enabled = true;
-        s.reconcile.interval_secs = 1;
-        s.activities.refresh_interval_ms = 600_000;
-    })
-    .await;
+    let b = TestApp::builder()
+        .database_of(&a)
+        .kafka_of(&a)
+        .reconciler_every(1)
+        .cache_refresh_ms(600_000)
+        .spawn()
+        .await;
     let last_pass = || async {
-        let body: Value = b
-            .admin_get(&format!("/admin/activities/{}", sale.id))
-            .await
-            .json()
-            .await
-            .ok()?;
+        let body: Value = b.activity(&sale.id).await.json().await.ok()?;
         let last = &body["live"]["reconciler"];
         let at: chrono::DateTime<chrono::Utc> =
             serde_json::from_value(last["checked_at"].clone()).ok()?;
@@ -213,12 +149,7 @@ async fn another_instance_s_reconciler_keeps_a_fresh_top_up() {
     };
     // B's background work has begun (its cache took its copy at start).
     eventually(WAIT, "a first pass on B", last_pass).await;
-    let resp = a
-        .admin_post(
-            &format!("/admin/activities/{}/stock", sale.id),
-            Some(json!({"add": 3})),
-        )
-        .await;
+    let resp = a.top_up(&sale.id, json!({"add": 3})).await;
     assert_eq!(resp.status(), StatusCode::OK);
     assert_eq!(a.redis_stock(&sale).await, Some(8));
     let mut since = chrono::Utc::now();

@@ -7,7 +7,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use testkit::browser::Browser;
 
-use crate::helpers::{assert_error, spawn_app};
+use crate::helpers::{assert_error, spawn_app, Sale, TestApp};
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -17,12 +17,7 @@ async fn an_operator_watches_and_pauses_a_sale_in_the_browser() {
     let sale = app.open_sale(20, 1).await;
 
     // The page itself needs no token and holds no data.
-    let page = app
-        .client
-        .get(app.url("/admin/ui"))
-        .send()
-        .await
-        .expect("sent");
+    let page = app.send(app.api.admin_ui()).await;
     assert_eq!(page.status(), StatusCode::OK);
     assert!(page
         .headers()
@@ -35,6 +30,43 @@ async fn an_operator_watches_and_pauses_a_sale_in_the_browser() {
     let browser = Browser::start(dir.path())
         .await
         .expect("a headless browser");
+    an_operator_opens_the_sale(&browser, &app, &sale).await;
+
+    // Reservations arrive; the page follows.
+    for i in 0..3 {
+        assert_eq!(
+            app.reserve(&sale.sku, &format!("buyer-{i}"), None)
+                .await
+                .status(),
+            StatusCode::ACCEPTED
+        );
+    }
+    browser
+        .wait_text("#redis-stock", WAIT, |t| t == "17")
+        .await
+        .expect("17 units left after three reservations");
+    browser
+        .wait_text("#pending", WAIT, |t| t != "–")
+        .await
+        .expect("pending reservations shown");
+
+    pause_from_the_page(&browser).await;
+    assert_error(
+        app.reserve(&sale.sku, "after-pause", None).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "paused",
+    )
+    .await;
+
+    let png = browser.screenshot().await.expect("a screenshot");
+    assert!(png.starts_with(b"\x89PNG"), "a PNG");
+    let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("admin-ui.png");
+    std::fs::write(&out, png).expect("screenshot written");
+    drop(browser);
+}
+
+/// The token entered, the page connected, the sale chosen with its 20 units.
+async fn an_operator_opens_the_sale(browser: &Browser, app: &TestApp, sale: &Sale) {
     browser.goto(&app.url("/admin/ui")).await.expect("page");
     browser
         .type_into("#token", &app.admin_token())
@@ -55,26 +87,10 @@ async fn an_operator_watches_and_pauses_a_sale_in_the_browser() {
         .wait_text("#redis-stock", WAIT, |t| t == "20")
         .await
         .expect("20 units left");
+}
 
-    // Reservations arrive; the page follows.
-    for i in 0..3 {
-        assert_eq!(
-            app.reserve(&sale.sku, &format!("buyer-{i}"), None)
-                .await
-                .status(),
-            StatusCode::ACCEPTED
-        );
-    }
-    browser
-        .wait_text("#redis-stock", WAIT, |t| t == "17")
-        .await
-        .expect("17 units left after three reservations");
-    browser
-        .wait_text("#pending", WAIT, |t| t != "–")
-        .await
-        .expect("pending reservations shown");
-
-    // Pause from the page, confirmed; reservations are refused.
+/// Pause from the page, confirmed: the page shows the answer and the state.
+async fn pause_from_the_page(browser: &Browser) {
     browser.click("#btn-pause").await.expect("clicked");
     browser.accept_dialog().await.expect("confirmed");
     browser
@@ -85,16 +101,4 @@ async fn an_operator_watches_and_pauses_a_sale_in_the_browser() {
         .wait_text("#state", WAIT, |t| t == "paused")
         .await
         .expect("the switch shows paused");
-    assert_error(
-        app.reserve(&sale.sku, "after-pause", None).await,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "paused",
-    )
-    .await;
-
-    let png = browser.screenshot().await.expect("a screenshot");
-    assert!(png.starts_with(b"\x89PNG"), "a PNG");
-    let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("admin-ui.png");
-    std::fs::write(&out, png).expect("screenshot written");
-    drop(browser);
 }

@@ -3,7 +3,6 @@
 //! back, and fairness against bots.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures::stream::{self, StreamExt};
@@ -12,186 +11,57 @@ use serde_json::{json, Value};
 
 use testkit::stats::binomial_interval;
 
-use crate::helpers::{assert_error, eventually, spawn_app_with, unique, with_workers, TestApp};
+use crate::helpers::{assert_error, eventually, spawn_app, unique, SaleSpec, TestApp};
 
 /// A sale with a waiting room that starts in `starts_in`; created and preloaded.
 async fn room_sale(app: &TestApp, stock: u32, starts_in: Duration) -> (String, String) {
-    let spec = testkit::sale::SaleSpec {
+    let spec = SaleSpec {
         starts_in_secs: i64::try_from(starts_in.as_secs()).expect("seconds"),
         waiting_room: true,
         payment_timeout_secs: 3600,
-        ..testkit::sale::SaleSpec::new(stock)
+        ..SaleSpec::new(stock)
     };
     let sale = app.open_sale_spec(&spec).await;
-    let body: Value = app
-        .admin_get(&format!("/admin/activities/{}", sale.id))
-        .await
-        .json()
-        .await
-        .expect("JSON");
+    let body = app.activity_figures(&sale.id).await;
     assert_eq!(body["admission"], "waiting_room");
     assert_eq!(body["waiting_room_secs"], 600);
     (sale.id, sale.sku)
 }
 
-async fn queue(app: &TestApp, method: reqwest::Method, sku: &str, user: &str) -> reqwest::Response {
-    app.client
-        .request(method, app.url(&format!("/flash/{sku}/queue")))
-        .bearer_auth(app.token(user))
-        .send()
-        .await
-        .expect("request sent")
-}
-
-async fn join(app: &TestApp, sku: &str, user: &str) -> reqwest::Response {
-    queue(app, reqwest::Method::POST, sku, user).await
-}
-
+/// The user's place in the line (which must be answered `200`).
 async fn place(app: &TestApp, sku: &str, user: &str) -> Value {
-    let resp = queue(app, reqwest::Method::GET, sku, user).await;
+    let resp = app.queue_place(sku, user).await;
     assert_eq!(resp.status(), StatusCode::OK);
     resp.json().await.expect("JSON")
 }
 
+/// The room's figures, as the operators see them.
 async fn room(app: &TestApp, id: &str) -> Value {
-    let body: Value = app
-        .admin_get(&format!("/admin/activities/{id}"))
-        .await
-        .json()
-        .await
-        .expect("JSON");
-    body["live"]["waiting_room"].clone()
+    app.activity_figures(id).await["live"]["waiting_room"].clone()
 }
 
 #[tokio::test]
 async fn users_are_drawn_admitted_as_the_stock_allows_and_told_sold_out_at_once() {
-    let app = spawn_app_with(with_workers).await;
+    let app = TestApp::builder().workers().spawn().await;
     let (id, sku) = room_sale(&app, 5, Duration::from_secs(3)).await;
     let users: Vec<String> = (0..30).map(|i| format!("u{i}")).collect();
 
-    // Joining: 201 once, then the same ticket with 200; no place before the draw.
-    let mut tickets = HashMap::new();
-    for u in &users {
-        let resp = join(&app, &sku, u).await;
-        assert_eq!(resp.status(), StatusCode::CREATED);
-        let body: Value = resp.json().await.expect("JSON");
-        assert_eq!(body["state"], "waiting");
-        tickets.insert(u.clone(), body["ticket"].clone());
-    }
-    let again = join(&app, &sku, "u0").await;
-    assert_eq!(again.status(), StatusCode::OK);
-    assert!(again.headers().contains_key("retry-after"));
-    let body: Value = again.json().await.expect("JSON");
-    assert_eq!(body["ticket"], tickets["u0"]);
-    assert!(body.get("position").is_none(), "{body}");
-    let distinct: HashSet<String> = tickets.values().map(Value::to_string).collect();
-    assert_eq!(distinct.len(), users.len());
-    assert_error(
-        app.reserve(&sku, "u0", None).await,
-        StatusCode::FORBIDDEN,
-        "not_started",
-    )
-    .await;
-    let never = queue(&app, reqwest::Method::GET, &sku, "never-joined").await;
-    assert_error(never, StatusCode::NOT_FOUND, "not_found").await;
-
-    // The draw: every user placed once, the seed and the order in MySQL, and the
-    // order replayed from the seed and the arrival order.
-    eventually(Duration::from_secs(15), "the draw", || {
-        let app = &app;
-        let sku = &sku;
-        let users = &users;
-        async move {
-            let mut places = HashMap::new();
-            for u in users {
-                let p = place(app, sku, u).await;
-                places.insert(
-                    u.clone(),
-                    p["position"].as_u64().or(
-                        // Admitted already: they were among the first.
-                        (p["state"] == "admitted").then_some(0),
-                    )?,
-                );
-            }
-            Some(places)
-        }
-    })
-    .await;
-    let pool = app.state.pool.clone();
-    let seed: u64 = sqlx::query_scalar("SELECT seed FROM waiting_room_draws WHERE activity_id = ?")
-        .bind(&id)
-        .fetch_one(&pool)
-        .await
-        .expect("the draw is recorded");
-    let entries: Vec<(u32, String, u64)> = sqlx::query_as(
-        "SELECT position, user_id, joined_seq FROM waiting_room_entries \
-         WHERE activity_id = ? ORDER BY position",
-    )
-    .bind(&id)
-    .fetch_all(&pool)
-    .await
-    .expect("entries");
-    assert_eq!(entries.len(), users.len());
-    let mut arrivals = entries.clone();
-    arrivals.sort_by_key(|e| e.2);
-    let arrival_order: Vec<String> = arrivals.into_iter().map(|e| e.1).collect();
-    let drawn: Vec<String> = entries.iter().map(|e| e.1.clone()).collect();
-    assert_eq!(
-        flashsale::waiting_room::draw_order(&arrival_order, seed),
-        drawn,
-        "the recorded order replays from the seed"
-    );
-    assert_eq!(room(&app, &id).await["seed"], json!(seed));
+    everyone_joins_once_before_the_start(&app, &sku, &users).await;
+    let drawn = the_draw_is_recorded_and_replays(&app, &id, &sku, &users).await;
 
     // Admission follows the stock: the first five in the drawn order, no one else.
     let first: Vec<String> = drawn[..5].to_vec();
-    eventually(Duration::from_secs(10), "five admitted", || async {
-        (room(&app, &id).await["admitted"] == 5).then_some(())
-    })
-    .await;
-    for u in &first {
-        assert_eq!(place(&app, &sku, u).await["state"], "admitted", "{u}");
-    }
-    let sixth = &drawn[5];
-    let p = place(&app, &sku, sixth).await;
-    assert_eq!(p["state"], "waiting");
-    assert_eq!(p["position"], 1, "{p}");
-    assert_error(
-        app.reserve(&sku, sixth, None).await,
-        StatusCode::FORBIDDEN,
-        "not_admitted",
-    )
-    .await;
-    for u in &first {
-        assert_eq!(
-            app.reserve(&sku, u, None).await.status(),
-            StatusCode::ACCEPTED
-        );
-    }
-    // Orders awaiting payment may still come back: the others keep waiting.
-    eventually(Duration::from_secs(15), "five orders", || async {
-        let counts = crate::helpers::order_counts(&app, &id).await;
-        (counts.get("pending_payment") == Some(&5)).then_some(())
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(place(&app, &sku, sixth).await["state"], "waiting");
+    the_first_five_are_admitted_and_buy(&app, &id, &sku, &drawn).await;
 
     // Paid: nothing can come back, and every waiting user is told so.
     let orders: Vec<(u64, String)> =
         sqlx::query_as("SELECT id, user_id FROM orders WHERE activity_id = ?")
             .bind(&id)
-            .fetch_all(&pool)
+            .fetch_all(&app.state.pool)
             .await
             .expect("orders");
     for (order, user) in &orders {
-        let resp = app
-            .client
-            .post(app.url(&format!("/orders/{order}/pay")))
-            .bearer_auth(app.token(user))
-            .send()
-            .await
-            .expect("pay");
+        let resp = app.pay(&order.to_string(), user).await;
         assert_eq!(resp.status(), StatusCode::OK);
     }
     eventually(
@@ -216,12 +86,129 @@ async fn users_are_drawn_admitted_as_the_stock_allows_and_told_sold_out_at_once(
     app.stop().await;
 }
 
+/// Joining: 201 once, then the same ticket with 200; no place before the draw,
+/// and no reservation either.
+async fn everyone_joins_once_before_the_start(app: &TestApp, sku: &str, users: &[String]) {
+    let mut tickets = HashMap::new();
+    for u in users {
+        let resp = app.join_queue(sku, u).await;
+        assert_eq!(resp.status(), StatusCode::CREATED);
+        let body: Value = resp.json().await.expect("JSON");
+        assert_eq!(body["state"], "waiting");
+        tickets.insert(u.clone(), body["ticket"].clone());
+    }
+    let again = app.join_queue(sku, "u0").await;
+    assert_eq!(again.status(), StatusCode::OK);
+    assert!(again.headers().contains_key("retry-after"));
+    let body: Value = again.json().await.expect("JSON");
+    assert_eq!(body["ticket"], tickets["u0"]);
+    assert!(body.get("position").is_none(), "{body}");
+    let distinct: HashSet<String> = tickets.values().map(Value::to_string).collect();
+    assert_eq!(distinct.len(), users.len());
+    assert_error(
+        app.reserve(sku, "u0", None).await,
+        StatusCode::FORBIDDEN,
+        "not_started",
+    )
+    .await;
+    let never = app.queue_place(sku, "never-joined").await;
+    assert_error(never, StatusCode::NOT_FOUND, "not_found").await;
+}
+
+/// The draw: every user placed once, the seed and the order in MySQL, and the
+/// order replayed from the seed and the arrival order. The drawn order.
+async fn the_draw_is_recorded_and_replays(
+    app: &TestApp,
+    id: &str,
+    sku: &str,
+    users: &[String],
+) -> Vec<String> {
+    eventually(Duration::from_secs(15), "the draw", || async move {
+        let mut places = HashMap::new();
+        for u in users {
+            let p = place(app, sku, u).await;
+            places.insert(
+                u.clone(),
+                p["position"].as_u64().or(
+                    // Admitted already: they were among the first.
+                    (p["state"] == "admitted").then_some(0),
+                )?,
+            );
+        }
+        Some(places)
+    })
+    .await;
+    let pool = &app.state.pool;
+    let seed: u64 = sqlx::query_scalar("SELECT seed FROM waiting_room_draws WHERE activity_id = ?")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .expect("the draw is recorded");
+    let entries: Vec<(u32, String, u64)> = sqlx::query_as(
+        "SELECT position, user_id, joined_seq FROM waiting_room_entries \
+         WHERE activity_id = ? ORDER BY position",
+    )
+    .bind(id)
+    .fetch_all(pool)
+    .await
+    .expect("entries");
+    assert_eq!(entries.len(), users.len());
+    let mut arrivals = entries.clone();
+    arrivals.sort_by_key(|e| e.2);
+    let arrival_order: Vec<String> = arrivals.into_iter().map(|e| e.1).collect();
+    let drawn: Vec<String> = entries.iter().map(|e| e.1.clone()).collect();
+    assert_eq!(
+        flashsale::waiting_room::draw_order(&arrival_order, seed),
+        drawn,
+        "the recorded order replays from the seed"
+    );
+    assert_eq!(room(app, id).await["seed"], json!(seed));
+    drawn
+}
+
+/// The first five drawn are admitted and reserve; the sixth waits first in
+/// line, refused, and keeps waiting while orders await payment (they may
+/// still come back).
+async fn the_first_five_are_admitted_and_buy(app: &TestApp, id: &str, sku: &str, drawn: &[String]) {
+    let first = &drawn[..5];
+    eventually(Duration::from_secs(10), "five admitted", || async {
+        (room(app, id).await["admitted"] == 5).then_some(())
+    })
+    .await;
+    for u in first {
+        assert_eq!(place(app, sku, u).await["state"], "admitted", "{u}");
+    }
+    let sixth = &drawn[5];
+    let p = place(app, sku, sixth).await;
+    assert_eq!(p["state"], "waiting");
+    assert_eq!(p["position"], 1, "{p}");
+    assert_error(
+        app.reserve(sku, sixth, None).await,
+        StatusCode::FORBIDDEN,
+        "not_admitted",
+    )
+    .await;
+    for u in first {
+        assert_eq!(
+            app.reserve(sku, u, None).await.status(),
+            StatusCode::ACCEPTED
+        );
+    }
+    eventually(Duration::from_secs(15), "five orders", || async {
+        let counts = app.order_counts(id).await;
+        (counts.get("pending_payment") == Some(&5)).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(place(app, sku, sixth).await["state"], "waiting");
+}
+
 #[tokio::test]
 async fn a_turn_not_taken_goes_to_the_next_user() {
-    let app = spawn_app_with(|s| s.waiting_room.turn_secs = 1).await;
+    let app = TestApp::builder().turn_secs(1).spawn().await;
     let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
     for u in ["a", "b", "c"] {
-        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
+        assert_eq!(app.join_queue(&sku, u).await.status(), StatusCode::CREATED);
     }
     let first = eventually(Duration::from_secs(10), "a first turn", || async {
         for u in ["a", "b", "c"] {
@@ -260,11 +247,11 @@ async fn a_turn_not_taken_goes_to_the_next_user() {
 
 #[tokio::test]
 async fn joining_is_checked() {
-    let app = spawn_app_with(|_| {}).await;
+    let app = spawn_app().await;
     // An open sale has no waiting room; reserving there is unchanged.
     let open = app.open_sale(1, 1).await;
     assert_error(
-        join(&app, &open.sku, "u1").await,
+        app.join_queue(&open.sku, "u1").await,
         StatusCode::NOT_FOUND,
         "not_found",
     )
@@ -285,7 +272,7 @@ async fn joining_is_checked() {
         .await;
     assert_eq!(resp.status(), StatusCode::CREATED);
     assert_error(
-        join(&app, &sku, "u1").await,
+        app.join_queue(&sku, "u1").await,
         StatusCode::FORBIDDEN,
         "not_started",
     )
@@ -319,90 +306,94 @@ async fn joining_is_checked() {
 async fn bots_among_winners(app: &TestApp, waiting_room: bool) -> (usize, usize) {
     const USERS: usize = 1_000;
     const BOTS: usize = 100;
-    let users: Arc<Vec<String>> = Arc::new(
-        (0..USERS)
-            .map(|i| {
-                if i < BOTS {
-                    format!("bot{i}")
-                } else {
-                    format!("human{i}")
-                }
-            })
-            .collect(),
-    );
-    let is_bot = |u: &str| u.starts_with("bot");
-    let winners: Vec<String> = if waiting_room {
-        let (id, sku) = room_sale(app, 100, Duration::from_secs(4)).await;
-        // Bots join first, and ten times.
-        for round in 0..10 {
-            let who: Vec<String> = users
-                .iter()
-                .filter(|u| round == 0 || is_bot(u))
-                .cloned()
-                .collect();
-            stream::iter(who)
-                .for_each_concurrent(64, |u| {
-                    let sku = sku.clone();
-                    async move {
-                        let s = join(app, &sku, &u).await.status();
-                        assert!(s == StatusCode::CREATED || s == StatusCode::OK, "{s}");
-                    }
-                })
-                .await;
-        }
-        eventually(Duration::from_secs(20), "100 admitted", || async {
-            (room(app, &id).await["admitted_total"] == 100).then_some(())
+    let users: Vec<String> = (0..USERS)
+        .map(|i| {
+            if i < BOTS {
+                format!("bot{i}")
+            } else {
+                format!("human{i}")
+            }
         })
-        .await;
-        // Everyone asks where they stand; the admitted reserve (bots ten times).
-        let won: Vec<Option<String>> = stream::iter(users.iter().cloned())
-            .map(|u| {
-                let sku = sku.clone();
-                async move {
-                    if place(app, &sku, &u).await["state"] != "admitted" {
-                        return None;
-                    }
-                    let tries = if is_bot(&u) { 10 } else { 1 };
-                    let mut won = false;
-                    for _ in 0..tries {
-                        won |= app.reserve(&sku, &u, None).await.status() == StatusCode::ACCEPTED;
-                    }
-                    won.then_some(u)
-                }
-            })
-            .buffer_unordered(64)
-            .collect()
-            .await;
-        won.into_iter().flatten().collect()
-    } else {
-        let sale = app.open_sale(100, 1).await;
-        // Bots fire first and ten times each; everyone else once, after.
-        let mut requests: Vec<String> = Vec::new();
-        for _ in 0..10 {
-            requests.extend(users.iter().filter(|u| is_bot(u)).cloned());
-        }
-        requests.extend(users.iter().filter(|u| !is_bot(u)).cloned());
-        let won: Vec<Option<String>> = stream::iter(requests)
-            .map(|u| {
-                let sku = sale.sku.clone();
-                async move {
-                    (app.reserve(&sku, &u, None).await.status() == StatusCode::ACCEPTED)
-                        .then_some(u)
-                }
-            })
-            .buffered(64)
-            .collect()
-            .await;
-        won.into_iter().flatten().collect()
+        .collect();
+    let winners = match waiting_room {
+        true => winners_through_the_room(app, &users).await,
+        false => winners_of_an_open_sale(app, &users).await,
     };
     let distinct: HashSet<&String> = winners.iter().collect();
     assert_eq!(distinct.len(), winners.len(), "a user won twice");
     (winners.iter().filter(|u| is_bot(u)).count(), winners.len())
 }
 
+fn is_bot(user: &str) -> bool {
+    user.starts_with("bot")
+}
+
+/// Bots join first, and ten times; everyone asks where they stand once 100
+/// are admitted, and the admitted reserve (bots ten times).
+async fn winners_through_the_room(app: &TestApp, users: &[String]) -> Vec<String> {
+    let (id, sku) = room_sale(app, 100, Duration::from_secs(4)).await;
+    for round in 0..10 {
+        let who = users.iter().filter(|u| round == 0 || is_bot(u));
+        stream::iter(who)
+            .for_each_concurrent(64, |u| {
+                let sku = &sku;
+                async move {
+                    let s = app.join_queue(sku, u).await.status();
+                    assert!(s == StatusCode::CREATED || s == StatusCode::OK, "{s}");
+                }
+            })
+            .await;
+    }
+    eventually(Duration::from_secs(20), "100 admitted", || async {
+        (room(app, &id).await["admitted_total"] == 100).then_some(())
+    })
+    .await;
+    let won: Vec<Option<String>> = stream::iter(users)
+        .map(|u| {
+            let sku = &sku;
+            async move {
+                if place(app, sku, u).await["state"] != "admitted" {
+                    return None;
+                }
+                let tries = if is_bot(u) { 10 } else { 1 };
+                let mut won = false;
+                for _ in 0..tries {
+                    won |= app.reserve(sku, u, None).await.status() == StatusCode::ACCEPTED;
+                }
+                won.then(|| u.clone())
+            }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    won.into_iter().flatten().collect()
+}
+
+/// Bots fire first and ten times each; everyone else once, after.
+async fn winners_of_an_open_sale(app: &TestApp, users: &[String]) -> Vec<String> {
+    let sale = app.open_sale(100, 1).await;
+    let mut requests: Vec<&String> = Vec::new();
+    for _ in 0..10 {
+        requests.extend(users.iter().filter(|u| is_bot(u)));
+    }
+    requests.extend(users.iter().filter(|u| !is_bot(u)));
+    let won: Vec<Option<String>> = stream::iter(requests)
+        .map(|u| {
+            let sku = &sale.sku;
+            async move {
+                (app.reserve(sku, u, None).await.status() == StatusCode::ACCEPTED)
+                    .then(|| u.clone())
+            }
+        })
+        .buffered(64)
+        .collect()
+        .await;
+    won.into_iter().flatten().collect()
+}
+
 #[tokio::test]
 async fn the_waiting_room_takes_the_bots_advantage_away() {
-    let app = spawn_app_with(|_| {}).await;
+    let app = spawn_app().await;
     let (open_bots, open_winners) = bots_among_winners(&app, false).await;
     let (room_bots, room_winners) = bots_among_winners(&app, true).await;
     eprintln!(
@@ -423,18 +414,21 @@ async fn the_waiting_room_takes_the_bots_advantage_away() {
 
 #[tokio::test]
 async fn a_queue_lost_with_redis_comes_back_in_the_drawn_order() {
-    let app = spawn_app_with(|_| {}).await;
+    let app = spawn_app().await;
     // Split over three stock shards: the room lives beside shard 0's stock.
-    let spec = testkit::sale::SaleSpec {
+    let spec = SaleSpec {
         starts_in_secs: 2,
         waiting_room: true,
         stock_shards: 3,
-        ..testkit::sale::SaleSpec::new(3)
+        ..SaleSpec::new(3)
     };
     let sale = app.open_sale_spec(&spec).await;
     let users: Vec<String> = (0..12).map(|i| format!("k{i}")).collect();
     for u in &users {
-        assert_eq!(join(&app, &sale.sku, u).await.status(), StatusCode::CREATED);
+        assert_eq!(
+            app.join_queue(&sale.sku, u).await.status(),
+            StatusCode::CREATED
+        );
     }
     let before = eventually(
         Duration::from_secs(15),
@@ -446,15 +440,7 @@ async fn a_queue_lost_with_redis_comes_back_in_the_drawn_order() {
     )
     .await;
     let seed = before["seed"].as_u64().expect("a seed");
-    let metrics = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
+    let metrics = app.metrics_text().await;
     assert!(
         metrics.contains(&format!(
             "flashsale_waiting_room_draw_seed{{activity_id=\"{}\"}} {seed}",
@@ -502,6 +488,30 @@ fn activity(app: &TestApp, sku: &str) -> std::sync::Arc<flashsale::activity::Act
         .expect("the sale is cached")
 }
 
+/// A room sale of `stock` units starting in 2 s, every user joined; its id,
+/// its SKU and the first user admitted.
+async fn room_with_a_turn(app: &TestApp, stock: u32, users: &[&str]) -> (String, String, String) {
+    let (id, sku) = room_sale(app, stock, Duration::from_secs(2)).await;
+    for u in users {
+        assert_eq!(app.join_queue(&sku, u).await.status(), StatusCode::CREATED);
+    }
+    let user = admitted_one(app, &sku, users).await;
+    (id, sku, user)
+}
+
+/// A reservation of `user`'s held in Redis and not yet answered (as a request
+/// in flight holds it); its id.
+async fn hold_in_redis(app: &TestApp, activity_id: &str, user: &str) -> String {
+    let rid = flashsale::stock::new_reservation_id(user, 1);
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    app.state
+        .stock
+        .reserve(activity_id, user, 1, &rid, now_ms)
+        .await
+        .expect("reserve");
+    rid
+}
+
 async fn admitted_one(app: &TestApp, sku: &str, users: &[&str]) -> String {
     eventually(Duration::from_secs(15), "a turn", || async {
         for u in users {
@@ -518,13 +528,9 @@ async fn admitted_one(app: &TestApp, sku: &str, users: &[&str]) -> String {
 /// users still in line are admitted and buy.
 #[tokio::test]
 async fn a_room_told_sold_out_reopens_when_units_come_back() {
-    let app = spawn_app_with(with_workers).await;
-    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
+    let app = TestApp::builder().workers().spawn().await;
     let users = ["r0", "r1", "r2"];
-    for u in users {
-        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
-    }
-    let first = admitted_one(&app, &sku, &users).await;
+    let (id, sku, first) = room_with_a_turn(&app, 1, &users).await;
     assert_eq!(
         app.reserve(&sku, &first, None).await.status(),
         StatusCode::ACCEPTED
@@ -537,13 +543,7 @@ async fn a_room_told_sold_out_reopens_when_units_come_back() {
             .expect("orders")
     })
     .await;
-    let paid = app
-        .client
-        .post(app.url(&format!("/orders/{order}/pay")))
-        .bearer_auth(app.token(&first))
-        .send()
-        .await
-        .expect("pay");
+    let paid = app.pay(&order.to_string(), &first).await;
     assert_eq!(paid.status(), StatusCode::OK);
     let others: Vec<&str> = users.iter().copied().filter(|u| *u != first).collect();
     eventually(
@@ -560,7 +560,7 @@ async fn a_room_told_sold_out_reopens_when_units_come_back() {
     )
     .await;
     // Told to come back slowly, not told it is over.
-    let told = queue(&app, reqwest::Method::GET, &sku, others[0]).await;
+    let told = app.queue_place(&sku, others[0]).await;
     assert_eq!(
         told.headers()
             .get("retry-after")
@@ -568,12 +568,7 @@ async fn a_room_told_sold_out_reopens_when_units_come_back() {
         Some("30")
     );
     // Two units more: both others get a turn, and buy.
-    let topped = app
-        .admin_post(
-            &format!("/admin/activities/{id}/stock"),
-            Some(json!({"add": 2})),
-        )
-        .await;
+    let topped = app.top_up(&id, json!({"add": 2})).await;
     assert_eq!(topped.status(), StatusCode::OK);
     eventually(Duration::from_secs(10), "the room reopened", || async {
         for u in &others {
@@ -600,10 +595,10 @@ async fn a_room_told_sold_out_reopens_when_units_come_back() {
 /// clock of the instance that takes the join).
 #[tokio::test]
 async fn a_join_after_the_draw_read_the_joiners_is_placed() {
-    let app = spawn_app_with(|_| {}).await;
+    let app = spawn_app().await;
     let (id, sku) = room_sale(&app, 3, Duration::from_secs(2)).await;
     for u in ["e0", "e1"] {
-        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
+        assert_eq!(app.join_queue(&sku, u).await.status(), StatusCode::CREATED);
     }
     eventually(Duration::from_secs(15), "the draw", || async {
         room(&app, &id).await["seed"].as_u64()
@@ -632,21 +627,11 @@ async fn a_join_after_the_draw_read_the_joiners_is_placed() {
 /// the user still holds the turn (and no more), and reserves within it.
 #[tokio::test]
 async fn already_reserved_does_not_end_a_turn() {
-    let app = spawn_app_with(|_| {}).await;
-    let (id, sku) = room_sale(&app, 2, Duration::from_secs(2)).await;
+    let app = spawn_app().await;
     let users = ["d0", "d1", "d2"];
-    for u in users {
-        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
-    }
-    let user = admitted_one(&app, &sku, &users).await;
+    let (id, sku, user) = room_with_a_turn(&app, 2, &users).await;
     // A reservation of theirs held in Redis, not yet answered.
-    let rid = flashsale::stock::new_reservation_id(&user, 1);
-    let now_ms = chrono::Utc::now().timestamp_millis();
-    app.state
-        .stock
-        .reserve(&id, &user, 1, &rid, now_ms)
-        .await
-        .expect("reserve");
+    let rid = hold_in_redis(&app, &id, &user).await;
     assert_error(
         app.reserve(&sku, &user, None).await,
         StatusCode::CONFLICT,
@@ -676,21 +661,11 @@ async fn already_reserved_does_not_end_a_turn() {
 /// comes back within it, whatever this instance's sold-out gate last saw.
 #[tokio::test]
 async fn an_admitted_user_told_sold_out_keeps_the_turn() {
-    let app = spawn_app_with(|_| {}).await;
-    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
+    let app = spawn_app().await;
     let users = ["s0", "s1", "s2"];
-    for u in users {
-        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
-    }
-    let user = admitted_one(&app, &sku, &users).await;
+    let (id, sku, user) = room_with_a_turn(&app, 1, &users).await;
     // Someone else's reservation takes the only unit, still pending.
-    let rid = flashsale::stock::new_reservation_id("outsider", 1);
-    let now_ms = chrono::Utc::now().timestamp_millis();
-    app.state
-        .stock
-        .reserve(&id, "outsider", 1, &rid, now_ms)
-        .await
-        .expect("reserve");
+    let rid = hold_in_redis(&app, &id, "outsider").await;
     assert_error(
         app.reserve(&sku, &user, None).await,
         StatusCode::CONFLICT,
@@ -701,13 +676,7 @@ async fn an_admitted_user_told_sold_out_keeps_the_turn() {
     assert_eq!(p["state"], "admitted", "{p}");
     assert!(p["admitted_until"].is_string(), "the turn still runs: {p}");
     // This instance found the sale sold out and shuts its gate.
-    eventually(Duration::from_secs(5), "the gate shut", || async {
-        app.state
-            .stock
-            .sold_out_from_memory(&id, "probe")
-            .then_some(())
-    })
-    .await;
+    app.wait_gate_shut(&id).await;
     // The unit comes back: the user holding the turn buys it at once.
     app.state
         .stock
@@ -725,11 +694,11 @@ async fn an_admitted_user_told_sold_out_keeps_the_turn() {
 /// whose turn ran out, and with its late joiners in line.
 #[tokio::test]
 async fn a_room_rebuilt_keeps_its_buyers_expired_turns_and_late_joiners() {
-    let app = spawn_app_with(|s| s.waiting_room.turn_secs = 3).await;
+    let app = TestApp::builder().turn_secs(3).spawn().await;
     let (id, sku) = room_sale(&app, 2, Duration::from_secs(2)).await;
     let users: Vec<String> = (0..8).map(|i| format!("b{i}")).collect();
     for u in &users {
-        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
+        assert_eq!(app.join_queue(&sku, u).await.status(), StatusCode::CREATED);
     }
     let names: Vec<&str> = users.iter().map(String::as_str).collect();
     let buyer = admitted_one(&app, &sku, &names).await;
@@ -748,7 +717,7 @@ async fn a_room_rebuilt_keeps_its_buyers_expired_turns_and_late_joiners() {
     })
     .await;
     assert_eq!(
-        join(&app, &sku, "latecomer").await.status(),
+        app.join_queue(&sku, "latecomer").await.status(),
         StatusCode::CREATED
     );
     // All three facts reach MySQL.
@@ -798,14 +767,12 @@ async fn a_room_rebuilt_keeps_its_buyers_expired_turns_and_late_joiners() {
 async fn a_turn_is_settled_when_the_client_hangs_up() {
     use tokio::io::AsyncWriteExt;
     let broker = crate::helpers::OwnBroker::start();
-    let brokers = broker.brokers();
-    let app = spawn_app_with(|s| s.kafka.brokers = brokers).await;
-    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
+    let app = TestApp::builder()
+        .kafka_brokers(broker.brokers())
+        .spawn()
+        .await;
     let users = ["h0", "h1"];
-    for u in users {
-        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
-    }
-    let user = admitted_one(&app, &sku, &users).await;
+    let (id, sku, user) = room_with_a_turn(&app, 1, &users).await;
     // The broker stalls: the reservation is held in Redis and its publish waits.
     broker.broker.pause();
     let host = app.address.trim_start_matches("http://").to_owned();
@@ -852,21 +819,11 @@ async fn a_turn_is_settled_when_the_client_hangs_up() {
 /// `already_reserved`, and the room counts them as reserved.
 #[tokio::test]
 async fn a_reservation_made_in_a_turn_that_ran_out_stands() {
-    let app = spawn_app_with(|s| s.waiting_room.turn_secs = 1).await;
-    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
+    let app = TestApp::builder().turn_secs(1).spawn().await;
     let users = ["t0", "t1"];
-    for u in users {
-        assert_eq!(join(&app, &sku, u).await.status(), StatusCode::CREATED);
-    }
-    let user = admitted_one(&app, &sku, &users).await;
+    let (id, sku, user) = room_with_a_turn(&app, 1, &users).await;
     // Held in Redis within the turn; its answer never reached the user.
-    let rid = flashsale::stock::new_reservation_id(&user, 1);
-    let now_ms = chrono::Utc::now().timestamp_millis();
-    app.state
-        .stock
-        .reserve(&id, &user, 1, &rid, now_ms)
-        .await
-        .expect("reserve");
+    let rid = hold_in_redis(&app, &id, &user).await;
     eventually(Duration::from_secs(10), "the turn run out", || async {
         (place(&app, &sku, &user).await["state"] == "expired").then_some(())
     })

@@ -10,7 +10,9 @@ use flashsale::auth::Auth;
 use flashsale::config::{KafkaSettings, Settings};
 use futures::future::BoxFuture;
 use secrecy::ExposeSecret;
+use testkit::api::{Api, Caller};
 use testkit::availability::{Outage, Prober, Sample};
+use testkit::database::TestDatabase;
 use testkit::invariants::{Answer, Figures, Probe};
 use testkit::process::{
     flashsale, Broker, Env, MariaDb, Proc, Redis, RedisCluster, RedisSentinel, Service,
@@ -176,6 +178,8 @@ pub struct Run {
     pub waiting_room: bool,
     pub sku: String,
     pub admin: String,
+    /// Signs user tokens as the services do.
+    pub auth: Auth,
     pub client: reqwest::Client,
     pub stop: Arc<AtomicBool>,
     /// Work the fault runs beside the sale until it is over (its count is kept).
@@ -188,6 +192,9 @@ pub struct Run {
     /// When a fault that lasts ended (`fault_over`); its time without service
     /// counts from here.
     pub fault_ended: Option<Instant>,
+    /// The database on the shared server, dropped with the run even when the
+    /// scenario panicked (one on a server of the run's own goes with it).
+    _database: Option<TestDatabase>,
 }
 
 impl Run {
@@ -212,6 +219,22 @@ impl Run {
 
     pub fn base(&self) -> String {
         self.services[0].base()
+    }
+
+    /// The doors of the first instance.
+    pub fn api(&self) -> Api {
+        self.api_of(0)
+    }
+
+    /// The doors of instance `i`.
+    pub fn api_of(&self, i: usize) -> Api {
+        Api::new(self.client.clone(), self.services[i].base(), &self.admin)
+            .with_users(self.auth.clone())
+    }
+
+    /// The doors of every instance, in order.
+    pub fn apis(&self) -> Vec<Api> {
+        (0..self.services.len()).map(|i| self.api_of(i)).collect()
     }
 
     /// Starts `flashsale consume` with the scenario's settings.
@@ -275,15 +298,10 @@ impl Run {
 
     /// A counter from service `i`'s `/metrics`, summed over its labels.
     pub async fn metric_of(&self, i: usize, name: &str) -> f64 {
-        let Some(service) = self.services.get(i) else {
+        if i >= self.services.len() {
             return 0.0;
-        };
-        let Ok(resp) = self
-            .client
-            .get(format!("{}/metrics", service.base()))
-            .send()
-            .await
-        else {
+        }
+        let Ok(resp) = self.api_of(i).metrics().send().await else {
             return 0.0;
         };
         let text = resp.text().await.unwrap_or_default();
@@ -375,8 +393,8 @@ pub async fn finish(mut run: Run, failed: bool) -> Result<(), String> {
             .as_root(&format!("DROP USER IF EXISTS '{user}'@'127.0.0.1'"))
             .await;
     }
-    let _ =
-        <sqlx::MySql as sqlx::migrate::MigrateDatabase>::drop_database(&run.root_mysql_url).await;
+    // The database goes when `run` is dropped: on the shared server with its
+    // guard, on a server of the run's own with that server.
     if std::env::var_os("FAULTS_KEEP").is_some() && failed {
         let kept = std::mem::replace(
             &mut run.dir,
@@ -390,146 +408,198 @@ pub async fn finish(mut run: Run, failed: bool) -> Result<(), String> {
 /// Starts the scenario's servers and services and opens the sale.
 pub async fn start(setup: &Setup) -> Result<Run, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let settings = base_settings();
-    let admin = settings.auth.admin_token.expose_secret().to_owned();
-
-    let redis = tokio::task::block_in_place(|| Redis::start(dir.path()));
-    let replica = setup
-        .redis_replica
-        .then(|| tokio::task::block_in_place(|| Redis::start_replica(dir.path(), redis.port)));
-    let cluster = setup
-        .redis_cluster
-        .then(|| tokio::task::block_in_place(|| RedisCluster::start(dir.path())));
-    let sentinel = match setup.redis_sentinel {
-        true => Some(tokio::task::block_in_place(|| {
-            RedisSentinel::start(dir.path())
-        })?),
-        false => None,
-    };
-    let redis_relay = match &replica {
-        Some(r) => {
-            testkit::within(Duration::from_secs(20), "the replica to sync", || async {
-                r.in_sync().await.then_some(())
-            })
-            .await?;
-            Some(Relay::start(&format!("127.0.0.1:{}", redis.port)).await)
-        }
-        None => None,
-    };
-    let db = unique("flashsale_f_");
-    let mariadb = setup
-        .own_mariadb
-        .then(|| tokio::task::block_in_place(|| MariaDb::start(dir.path())));
-    let root_mysql_url = match &mariadb {
-        Some(m) => m.url(&db),
-        None => format!("mysql://root@127.0.0.1:3306/{db}"),
-    };
-    let broker = setup
-        .own_broker
-        .then(|| tokio::task::block_in_place(|| Broker::start(dir.path())));
-    let brokers = broker.as_ref().map(Broker::brokers).unwrap_or_else(|| {
-        std::env::var("FLASHSALE_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
-    });
-    let kafka = KafkaSettings {
-        brokers: brokers.clone(),
-        topic: unique("flash.f."),
-        group_id: unique("flashsale-f-"),
-        ..settings.kafka.clone()
-    };
-
-    let mut env = Env::new(
-        env!("CARGO_BIN_EXE_flashsale"),
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
-    );
-    let redis_url = match (&cluster, &sentinel, &redis_relay) {
-        (Some(c), _, _) => c.url(),
-        (None, Some(s), _) => s.url(),
-        (None, None, Some(r)) => format!("redis://127.0.0.1:{}", r.port),
-        (None, None, None) => redis.url(),
-    };
-    env.set("FLASHSALE__REDIS__URL", &redis_url);
-    env.set("FLASHSALE__MYSQL__URL", &root_mysql_url);
-    env.set("FLASHSALE__MYSQL__ACQUIRE_TIMEOUT_MS", 1000);
-    env.set("FLASHSALE__KAFKA__BROKERS", &brokers);
-    env.set("FLASHSALE__KAFKA__TOPIC", &kafka.topic);
-    env.set(
-        "FLASHSALE__KAFKA__DEAD_LETTER_TOPIC",
-        format!("{}.dlq", kafka.topic),
-    );
-    env.set("FLASHSALE__KAFKA__GROUP_ID", &kafka.group_id);
-    env.set("FLASHSALE__KAFKA__PUBLISH_TIMEOUT_MS", PUBLISH_TIMEOUT_MS);
-    env.set("FLASHSALE__RATE_LIMIT__PER_IP_PER_SEC", 0);
-    env.set("FLASHSALE__RATE_LIMIT__PER_USER_PER_SEC", 0);
-    env.set("FLASHSALE__CONSUMER__BATCH_WAIT_MS", 10);
-    env.set("FLASHSALE__ORDERS__SWEEP_INTERVAL_SECS", 1);
-    env.set("FLASHSALE__RECONCILE__INTERVAL_SECS", 1);
-    env.set(
-        "FLASHSALE__RECONCILE__PENDING_DEADLINE_SECS",
-        PENDING_DEADLINE_SECS,
-    );
-    env.set("FLASHSALE__ACTIVITIES__REFRESH_INTERVAL_MS", 200);
-    env.set("FLASHSALE__SERVER__SHUTDOWN_GRACE_SECS", 3);
-    if setup.separate_consumer {
-        env.set("FLASHSALE__CONSUMER__ENABLED", false);
-    }
-    for (k, v) in &setup.env {
-        env.set(k, v);
-    }
-    // FAULTS_LOG=debug (an EnvFilter) makes the processes' logs talkative.
-    if let Ok(filter) = std::env::var("FAULTS_LOG") {
-        env.set("FLASHSALE__LOG__FILTER", filter);
-    }
-
+    let servers = Servers::start(setup, dir.path()).await?;
+    let mut run = Run::new(setup, dir, servers)?;
     let mut migrate = flashsale(
         &["migrate"],
-        &env,
-        dir.path().join("migrate.log"),
+        &run.env,
+        run.dir.path().join("migrate.log"),
         "migrate",
     );
     wait_exit(&mut migrate, Duration::from_secs(60))?;
-
-    let mut run = Run {
-        env,
-        redis,
-        replica,
-        redis_relay,
-        cluster,
-        sentinel,
-        mariadb,
-        broker,
-        services: Vec::new(),
-        consumers: Vec::new(),
-        mysql_url: root_mysql_url.clone(),
-        root_mysql_url,
-        mysql_user: None,
-        db,
-        kafka,
-        activity_id: String::new(),
-        shards: 1,
-        waiting_room: setup.waiting_room,
-        sku: String::new(),
-        admin,
-        client: reqwest::Client::builder()
-            .timeout(Duration::from_secs(10))
-            .pool_max_idle_per_host(64)
-            .build()
-            .map_err(|e| e.to_string())?,
-        stop: Arc::new(AtomicBool::new(false)),
-        background: Vec::new(),
-        background_counts: Vec::new(),
-        extra_answers: Vec::new(),
-        separate_consumer: setup.separate_consumer,
-        fault_ended: None,
-        dir,
-    };
     if setup.own_mysql_user {
-        // A user of the scenario's own. INSERT is granted per table: a change to a
-        // table-level privilege applies to open connections at their next
-        // statement (a database-level one only at their next USE).
+        run.connect_as_own_user().await?;
+    }
+    run.start_processes(setup);
+    run.open_sale(setup).await?;
+    Ok(run)
+}
+
+/// The servers a scenario has of its own, started before any service.
+struct Servers {
+    redis: Redis,
+    replica: Option<Redis>,
+    redis_relay: Option<Relay>,
+    cluster: Option<RedisCluster>,
+    sentinel: Option<RedisSentinel>,
+    mariadb: Option<MariaDb>,
+    broker: Option<Broker>,
+}
+
+impl Servers {
+    async fn start(setup: &Setup, dir: &Path) -> Result<Servers, String> {
+        let redis = tokio::task::block_in_place(|| Redis::start(dir));
+        let replica = setup
+            .redis_replica
+            .then(|| tokio::task::block_in_place(|| Redis::start_replica(dir, redis.port)));
+        let cluster = setup
+            .redis_cluster
+            .then(|| tokio::task::block_in_place(|| RedisCluster::start(dir)));
+        let sentinel = match setup.redis_sentinel {
+            true => Some(tokio::task::block_in_place(|| RedisSentinel::start(dir))?),
+            false => None,
+        };
+        let redis_relay = match &replica {
+            Some(r) => {
+                testkit::within(Duration::from_secs(20), "the replica to sync", || async {
+                    r.in_sync().await.then_some(())
+                })
+                .await?;
+                Some(Relay::start(&format!("127.0.0.1:{}", redis.port)).await)
+            }
+            None => None,
+        };
+        let mariadb = setup
+            .own_mariadb
+            .then(|| tokio::task::block_in_place(|| MariaDb::start(dir)));
+        let broker = setup
+            .own_broker
+            .then(|| tokio::task::block_in_place(|| Broker::start(dir)));
+        Ok(Servers {
+            redis,
+            replica,
+            redis_relay,
+            cluster,
+            sentinel,
+            mariadb,
+            broker,
+        })
+    }
+}
+
+impl Run {
+    /// The run's names (database, topic, group) and the services' environment,
+    /// before anything of the service has started.
+    fn new(setup: &Setup, dir: tempfile::TempDir, servers: Servers) -> Result<Run, String> {
+        let settings = base_settings();
+        let db = unique("flashsale_f_");
+        let root_mysql_url = match &servers.mariadb {
+            Some(m) => m.url(&db),
+            None => format!("{}/{db}", testkit::database::SERVER),
+        };
+        let brokers = match &servers.broker {
+            Some(b) => b.brokers(),
+            None => testkit::kafka_brokers(),
+        };
+        let kafka = KafkaSettings {
+            brokers,
+            topic: unique("flash.f."),
+            group_id: unique("flashsale-f-"),
+            ..settings.kafka.clone()
+        };
+        let database = servers
+            .mariadb
+            .is_none()
+            .then(|| TestDatabase::new(testkit::database::SERVER, &db));
+        let Servers {
+            redis,
+            replica,
+            redis_relay,
+            cluster,
+            sentinel,
+            mariadb,
+            broker,
+        } = servers;
+        let mut run = Run {
+            env: Env::new(
+                env!("CARGO_BIN_EXE_flashsale"),
+                Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+            ),
+            redis,
+            replica,
+            redis_relay,
+            cluster,
+            sentinel,
+            mariadb,
+            broker,
+            services: Vec::new(),
+            consumers: Vec::new(),
+            mysql_url: root_mysql_url.clone(),
+            root_mysql_url,
+            mysql_user: None,
+            db,
+            kafka,
+            activity_id: String::new(),
+            shards: 1,
+            waiting_room: setup.waiting_room,
+            sku: String::new(),
+            admin: settings.auth.admin_token.expose_secret().to_owned(),
+            auth: test_auth(),
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(10))
+                .pool_max_idle_per_host(64)
+                .build()
+                .map_err(|e| e.to_string())?,
+            stop: Arc::new(AtomicBool::new(false)),
+            background: Vec::new(),
+            background_counts: Vec::new(),
+            extra_answers: Vec::new(),
+            separate_consumer: setup.separate_consumer,
+            fault_ended: None,
+            dir,
+            _database: database,
+        };
+        run.set_service_env(setup);
+        Ok(run)
+    }
+
+    /// What every `flashsale` process of the run is started with.
+    fn set_service_env(&mut self, setup: &Setup) {
+        let redis_url = self.redis_url();
+        let env = &mut self.env;
+        env.set("FLASHSALE__REDIS__URL", &redis_url);
+        env.set("FLASHSALE__MYSQL__URL", &self.root_mysql_url);
+        env.set("FLASHSALE__MYSQL__ACQUIRE_TIMEOUT_MS", 1000);
+        env.set("FLASHSALE__KAFKA__BROKERS", &self.kafka.brokers);
+        env.set("FLASHSALE__KAFKA__TOPIC", &self.kafka.topic);
+        env.set(
+            "FLASHSALE__KAFKA__DEAD_LETTER_TOPIC",
+            format!("{}.dlq", self.kafka.topic),
+        );
+        env.set("FLASHSALE__KAFKA__GROUP_ID", &self.kafka.group_id);
+        env.set("FLASHSALE__KAFKA__PUBLISH_TIMEOUT_MS", PUBLISH_TIMEOUT_MS);
+        env.set("FLASHSALE__RATE_LIMIT__PER_IP_PER_SEC", 0);
+        env.set("FLASHSALE__RATE_LIMIT__PER_USER_PER_SEC", 0);
+        env.set("FLASHSALE__CONSUMER__BATCH_WAIT_MS", 10);
+        env.set("FLASHSALE__ORDERS__SWEEP_INTERVAL_SECS", 1);
+        env.set("FLASHSALE__RECONCILE__INTERVAL_SECS", 1);
+        env.set(
+            "FLASHSALE__RECONCILE__PENDING_DEADLINE_SECS",
+            PENDING_DEADLINE_SECS,
+        );
+        env.set("FLASHSALE__ACTIVITIES__REFRESH_INTERVAL_MS", 200);
+        env.set("FLASHSALE__SERVER__SHUTDOWN_GRACE_SECS", 3);
+        if setup.separate_consumer {
+            env.set("FLASHSALE__CONSUMER__ENABLED", false);
+        }
+        for (k, v) in &setup.env {
+            env.set(k, v);
+        }
+        // FAULTS_LOG=debug (an EnvFilter) makes the processes' logs talkative.
+        if let Ok(filter) = std::env::var("FAULTS_LOG") {
+            env.set("FLASHSALE__LOG__FILTER", filter);
+        }
+    }
+
+    /// The services connect as a user of the scenario's own, whose privileges
+    /// a fault can revoke. INSERT is granted per table: a change to a
+    /// table-level privilege applies to open connections at their next
+    /// statement (a database-level one only at their next USE).
+    async fn connect_as_own_user(&mut self) -> Result<(), String> {
         let user = unique("fs_").chars().take(30).collect::<String>();
-        let db = &run.db;
+        let db = &self.db;
         // Every table the migrations made, so a new one needs no change here.
-        let root = sqlx::MySqlPool::connect(&run.root_mysql_url)
+        let root = sqlx::MySqlPool::connect(&self.root_mysql_url)
             .await
             .map_err(|e| e.to_string())?;
         let tables: Vec<String> = sqlx::query_scalar(
@@ -544,112 +614,76 @@ pub async fn start(setup: &Setup) -> Result<Run, String> {
             .iter()
             .map(|t| format!("GRANT INSERT ON `{db}`.`{t}` TO '{user}'@'127.0.0.1'; "))
             .collect();
-        run.as_root(&format!(
+        self.as_root(&format!(
             "CREATE USER '{user}'@'127.0.0.1' IDENTIFIED BY 'pw'; \
              GRANT SELECT, UPDATE, DELETE ON `{db}`.* TO '{user}'@'127.0.0.1'; \
              {inserts}"
         ))
         .await?;
-        run.mysql_url = run
+        self.mysql_url = self
             .root_mysql_url
             .replacen("root@", &format!("{user}:pw@"), 1);
-        run.env.set("FLASHSALE__MYSQL__URL", &run.mysql_url);
-        run.mysql_user = Some(user);
+        self.env.set("FLASHSALE__MYSQL__URL", &self.mysql_url);
+        self.mysql_user = Some(user);
+        Ok(())
     }
-    for i in 0..setup.services.max(1) {
-        let name = format!("service-{}", (b'a' + i as u8) as char);
-        run.services
-            .push(Service::start(&name, &run.env, run.dir.path()));
+
+    /// The services, and the consumers that run apart from them.
+    fn start_processes(&mut self, setup: &Setup) {
+        for i in 0..setup.services.max(1) {
+            let name = format!("service-{}", (b'a' + i as u8) as char);
+            self.services
+                .push(Service::start(&name, &self.env, self.dir.path()));
+        }
+        if setup.separate_consumer {
+            self.start_consumer();
+        }
+        if setup.twin_consumer {
+            let mut twin = self.env.clone();
+            twin.set("FLASHSALE__KAFKA__GROUP_ID", unique("flashsale-twin-"));
+            self.consumers.push(flashsale(
+                &["consume"],
+                &twin,
+                self.dir.path().join("twin.log"),
+                "twin consumer",
+            ));
+        }
     }
-    if setup.separate_consumer {
-        run.start_consumer();
+
+    /// Creates and loads the scenario's sale.
+    async fn open_sale(&mut self, setup: &Setup) -> Result<(), String> {
+        let spec = SaleSpec {
+            payment_timeout_secs: setup.payment_timeout_secs,
+            stock_shards: setup.stock_shards,
+            waiting_room: setup.waiting_room,
+            starts_in_secs: setup.starts_in_secs,
+            ..SaleSpec::new(setup.stock)
+        };
+        let sale = open_sale(&self.client, &self.base(), &self.admin, &spec).await?;
+        self.activity_id = sale.id;
+        self.shards = sale.shards;
+        self.sku = sale.sku;
+        Ok(())
     }
-    if setup.twin_consumer {
-        let mut twin = run.env.clone();
-        twin.set("FLASHSALE__KAFKA__GROUP_ID", unique("flashsale-twin-"));
-        run.consumers.push(flashsale(
-            &["consume"],
-            &twin,
-            run.dir.path().join("twin.log"),
-            "twin consumer",
-        ));
-    }
-    let spec = SaleSpec {
-        payment_timeout_secs: setup.payment_timeout_secs,
-        stock_shards: setup.stock_shards,
-        waiting_room: setup.waiting_room,
-        starts_in_secs: setup.starts_in_secs,
-        ..SaleSpec::new(setup.stock)
-    };
-    let sale = open_sale(&run.client, &run.base(), &run.admin, &spec).await?;
-    run.activity_id = sale.id;
-    run.shards = sale.shards;
-    run.sku = sale.sku;
-    Ok(run)
 }
 
 /// The sale with its fault, then the checks.
 async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
-    let auth = test_auth();
-    let targets: Arc<Vec<String>> = Arc::new(run.services.iter().map(Service::base).collect());
-    let warmup = ready(run, &auth).await?;
-
+    let apis: Arc<Vec<Api>> = Arc::new(run.apis());
+    let warmup = ready(run).await?;
     let reconcile_calls = Arc::new(AtomicUsize::new(0));
-    let mut hammers = Vec::new();
-    for _ in 0..2 {
-        hammers.push(tokio::spawn(hammer_reconcile(
-            run.client.clone(),
-            targets.clone(),
-            run.admin.clone(),
-            run.activity_id.clone(),
-            run.stop.clone(),
-            reconcile_calls.clone(),
-        )));
-    }
-    let sent = Arc::new(AtomicUsize::new(0));
-    let load = tokio::spawn(load(
-        run.client.clone(),
-        targets.clone(),
-        run.sku.clone(),
-        auth.clone(),
-        sent.clone(),
-    ));
-    let total = USERS * CLICKS;
-    while sent.load(Ordering::SeqCst) < total / 20 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    // New buyers beside the load, from the fault on, so the time without service
-    // shows even once the load is over.
-    let prober = Prober::start(
-        run.client.clone(),
-        targets.to_vec(),
-        run.sku.clone(),
-        auth,
-        "probe-".into(),
-        PROBE_EVERY,
-    );
-    let struck = Instant::now();
-    fault.inject(run).await?;
-    let mark = run.fault_ended.unwrap_or(struck);
-    // The CLI's reconciler too, mid-sale.
-    let mut cli = flashsale(
-        &["reconcile", "--activity", &run.activity_id],
-        &run.env,
-        run.dir.path().join("reconcile-cli.log"),
-        "reconcile cli",
-    );
-    wait_exit(&mut cli, Duration::from_secs(60))?;
+    let hammers: Vec<_> = (0..2)
+        .map(|_| {
+            tokio::spawn(hammer_reconcile(
+                apis.clone(),
+                run.activity_id.clone(),
+                run.stop.clone(),
+                reconcile_calls.clone(),
+            ))
+        })
+        .collect();
+    let (samples, struck, mark) = strike_mid_sale(fault, run, &apis).await?;
     reconcile_calls.fetch_add(1, Ordering::SeqCst);
-
-    let mut samples = load.await.map_err(|e| format!("load task: {e}"))?;
-    // Service back (or a minute without it), then a while more for a second gap.
-    let served_after = |samples: &[Sample]| samples.iter().any(|s| s.sent >= mark && s.served());
-    let _ = testkit::within(Duration::from_secs(60), "a new buyer served", || async {
-        (served_after(&samples) || served_after(&prober.samples())).then_some(())
-    })
-    .await;
-    tokio::time::sleep(WATCH_AFTER_RECOVERY).await;
-    samples.extend(prober.stop().await);
     // Answers from the instances a load balancer would still route to.
     let counted: Vec<Sample> = match fault.measured_on() {
         Some(i) => samples.iter().filter(|s| s.via == i).cloned().collect(),
@@ -662,22 +696,7 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
     let mut answers: Vec<Answer> = samples.into_iter().map(|s| s.answer).collect();
     answers.push(warmup);
     answers.append(&mut run.extra_answers);
-    let probe = run.probe();
-    let quiet = probe.wait_quiet(Duration::from_secs(120)).await;
-    run.stop.store(true, Ordering::SeqCst);
-    for h in hammers {
-        let _ = h.await;
-    }
-    for b in std::mem::take(&mut run.background) {
-        run.background_counts.push(b.await.unwrap_or(0));
-    }
-    quiet?;
-    fault.after(run).await?;
-    let figures = probe.check(&answers).await?;
-    if answers.len() < total + 1 {
-        return Err(format!("only {} answers recorded", answers.len()));
-    }
-    fault.expect(run, &figures)?;
+    let figures = check_once_quiet(fault, run, &answers, hammers).await?;
     let target = fault.availability();
     let from_fault = match (target.from_fault, since_struck) {
         (Some(bound), Some(took)) if took > bound => Err(format!(
@@ -702,21 +721,94 @@ async fn sell(fault: &dyn Fault, run: &mut Run) -> Result<Row, String> {
     })
 }
 
+/// The load, the fault once 5 % of it is sent, the CLI's reconciler, then
+/// service watched until it is back and a while more. Every reservation answer
+/// with its timing, when the fault struck, and the mark its time without
+/// service counts from.
+async fn strike_mid_sale(
+    fault: &dyn Fault,
+    run: &mut Run,
+    apis: &Arc<Vec<Api>>,
+) -> Result<(Vec<Sample>, Instant, Instant), String> {
+    let sent = Arc::new(AtomicUsize::new(0));
+    let load = tokio::spawn(load(apis.clone(), run.sku.clone(), sent.clone()));
+    let total = USERS * CLICKS;
+    while sent.load(Ordering::SeqCst) < total / 20 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // New buyers beside the load, from the fault on, so the time without service
+    // shows even once the load is over.
+    let prober = Prober::start(
+        run.client.clone(),
+        run.services.iter().map(Service::base).collect(),
+        run.sku.clone(),
+        run.auth.clone(),
+        "probe-".into(),
+        PROBE_EVERY,
+    );
+    let struck = Instant::now();
+    fault.inject(run).await?;
+    let mark = run.fault_ended.unwrap_or(struck);
+    // The CLI's reconciler too, mid-sale.
+    let mut cli = flashsale(
+        &["reconcile", "--activity", &run.activity_id],
+        &run.env,
+        run.dir.path().join("reconcile-cli.log"),
+        "reconcile cli",
+    );
+    wait_exit(&mut cli, Duration::from_secs(60))?;
+
+    let mut samples = load.await.map_err(|e| format!("load task: {e}"))?;
+    // Service back (or a minute without it), then a while more for a second gap.
+    let served_after = |samples: &[Sample]| samples.iter().any(|s| s.sent >= mark && s.served());
+    let _ = testkit::within(Duration::from_secs(60), "a new buyer served", || async {
+        (served_after(&samples) || served_after(&prober.samples())).then_some(())
+    })
+    .await;
+    tokio::time::sleep(WATCH_AFTER_RECOVERY).await;
+    samples.extend(prober.stop().await);
+    Ok((samples, struck, mark))
+}
+
+/// Once the sale is quiet: the background work stopped, the fault's own
+/// reading, the invariants over every answer, and the fault's expectations.
+async fn check_once_quiet(
+    fault: &dyn Fault,
+    run: &mut Run,
+    answers: &[Answer],
+    hammers: Vec<tokio::task::JoinHandle<()>>,
+) -> Result<Figures, String> {
+    let probe = run.probe();
+    let quiet = probe.wait_quiet(Duration::from_secs(120)).await;
+    run.stop.store(true, Ordering::SeqCst);
+    for h in hammers {
+        let _ = h.await;
+    }
+    for b in std::mem::take(&mut run.background) {
+        run.background_counts.push(b.await.unwrap_or(0));
+    }
+    quiet?;
+    fault.after(run).await?;
+    let figures = probe.check(answers).await?;
+    if answers.len() < USERS * CLICKS + 1 {
+        return Err(format!("only {} answers recorded", answers.len()));
+    }
+    fault.expect(run, &figures)?;
+    Ok(figures)
+}
+
 /// Until the sale is selling everywhere: every instance sees it, one
 /// reservation went through to MySQL (every consumer has joined its group and is
 /// consuming), and with several consumers each holds partitions. Returns the
 /// warm-up reservation's answer, for the checker.
-pub async fn ready(run: &Run, auth: &Auth) -> Result<Answer, String> {
+pub async fn ready(run: &Run) -> Result<Answer, String> {
     // Every instance learns of a new sale on its next cache refresh.
-    for service in &run.services {
-        let base = service.base();
-        let url = format!("{base}/flash/{}", run.sku);
+    for api in run.apis() {
         testkit::within(
             Duration::from_secs(10),
             "every instance to see the sale",
             || async {
-                run.client
-                    .get(&url)
+                api.sale(&run.sku)
                     .send()
                     .await
                     .ok()
@@ -728,7 +820,7 @@ pub async fn ready(run: &Run, auth: &Auth) -> Result<Answer, String> {
     }
     // One reservation through to MySQL first: every consumer has joined its group
     // and is consuming before the sale and the fault begin.
-    let warmup = warm_up(run, auth).await?;
+    let warmup = warm_up(run).await?;
     // With several consumers in the group, the sale starts once each holds
     // partitions (the broker rebalances a group some seconds after a join).
     if !run.separate_consumer && run.services.len() > 1 {
@@ -753,15 +845,14 @@ pub async fn ready(run: &Run, auth: &Auth) -> Result<Answer, String> {
     Ok(warmup)
 }
 
-async fn warm_up(run: &Run, auth: &Auth) -> Result<Answer, String> {
-    let token = auth.issue("warmup", 3600).map_err(|e| e.to_string())?;
+async fn warm_up(run: &Run) -> Result<Answer, String> {
+    let api = run.api();
+    let token = api.token("warmup");
+    let warmup = Caller::Token(&token);
     if run.waiting_room {
         // Only an admitted user may reserve: the warm-up joins the room and waits
         // for its turn (the draw comes just after the start).
-        let url = format!("{}/flash/{}/queue", run.base(), run.sku);
-        run.client
-            .post(&url)
-            .bearer_auth(&token)
+        api.join_queue(&run.sku, warmup)
             .send()
             .await
             .map_err(|e| format!("the warm-up's join: {e}"))?;
@@ -769,7 +860,7 @@ async fn warm_up(run: &Run, auth: &Auth) -> Result<Answer, String> {
             Duration::from_secs(60),
             "the warm-up's turn in the waiting room",
             || async {
-                let resp = run.client.get(&url).bearer_auth(&token).send().await.ok()?;
+                let resp = api.queue_place(&run.sku, warmup).send().await.ok()?;
                 let body: serde_json::Value = resp.json().await.ok()?;
                 (body["state"] == "admitted").then_some(())
             },
@@ -781,14 +872,7 @@ async fn warm_up(run: &Run, auth: &Auth) -> Result<Answer, String> {
     // (`503`, undone, nothing held). The warm-up waits that out.
     let deadline = Instant::now() + Duration::from_secs(30);
     let answer = loop {
-        let answer = Answer::from_response(
-            run.client
-                .post(format!("{}/flash/{}/reserve", run.base(), run.sku))
-                .bearer_auth(&token)
-                .send()
-                .await,
-        )
-        .await;
+        let answer = Answer::from_response(api.reserve(&run.sku, warmup).send().await).await;
         if answer.status != Some(503) || Instant::now() > deadline {
             break answer;
         }
@@ -814,25 +898,14 @@ pub fn wait_exit(p: &mut Proc, within: Duration) -> Result<(), String> {
 }
 
 /// 600 users × 2 clicks at a fixed rate, round-robin over the instances.
-async fn load(
-    client: reqwest::Client,
-    targets: Arc<Vec<String>>,
-    sku: String,
-    auth: Auth,
-    sent: Arc<AtomicUsize>,
-) -> Vec<Sample> {
+async fn load(apis: Arc<Vec<Api>>, sku: String, sent: Arc<AtomicUsize>) -> Vec<Sample> {
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / RATE_PER_SEC));
     let mut tasks = Vec::with_capacity(USERS * CLICKS);
     for i in 0..USERS * CLICKS {
         tick.tick().await;
-        let user = format!("u{}", i / CLICKS);
-        let token = auth.issue(&user, 3600).unwrap_or_default();
-        let via = i % targets.len();
-        let url = format!("{}/flash/{sku}/reserve", targets[via]);
-        let client = client.clone();
-        tasks.push(tokio::spawn(async move {
-            Sample::take(client.post(url).bearer_auth(token), via).await
-        }));
+        let via = i % apis.len();
+        let request = apis[via].reserve(&sku, Caller::User(&format!("u{}", i / CLICKS)));
+        tasks.push(tokio::spawn(Sample::take(request, via)));
         sent.fetch_add(1, Ordering::SeqCst);
     }
     let mut out = Vec::with_capacity(tasks.len());
@@ -846,20 +919,15 @@ async fn load(
 
 /// The reconciler, over and over, through every instance's admin endpoint.
 pub async fn hammer_reconcile(
-    client: reqwest::Client,
-    targets: Arc<Vec<String>>,
-    admin: String,
+    apis: Arc<Vec<Api>>,
     activity_id: String,
     stop: Arc<AtomicBool>,
     calls: Arc<AtomicUsize>,
 ) {
     let mut i = 0;
     while !stop.load(Ordering::SeqCst) {
-        let url = format!(
-            "{}/admin/activities/{activity_id}/reconcile",
-            targets[i % targets.len()]
-        );
-        if let Ok(r) = client.post(url).bearer_auth(&admin).send().await {
+        let request = apis[i % apis.len()].reconcile(&activity_id);
+        if let Ok(r) = request.send().await {
             if r.status().is_success() {
                 calls.fetch_add(1, Ordering::SeqCst);
             }

@@ -28,22 +28,15 @@ use std::time::{Duration, Instant};
 
 use harness::{Fault, Row};
 
+/// A scenario's name, its row (or why it broke) and how long it took.
+type ScenarioResult = (&'static str, Result<Row, String>, Duration);
+
 fn main() {
     let filters: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let selected: Vec<Arc<dyn Fault>> = scenarios::all()
-        .into_iter()
-        .filter(|f| {
-            filters.is_empty()
-                || filters.iter().any(|x| {
-                    f.id().contains(x.as_str())
-                        || f.name().contains(x.as_str())
-                        || "faults".contains(x.as_str())
-                })
-        })
-        .collect();
+    let selected = selected(&filters);
     let run_campaign = filters.is_empty()
         || filters
             .iter()
@@ -66,54 +59,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let (results, outcomes) = runtime.block_on(async {
-        // Two at a time: enough to overlap the waits on a 2-core machine.
-        let gate = Arc::new(tokio::sync::Semaphore::new(2));
-        let mut tasks = Vec::new();
-        for fault in selected {
-            let gate = gate.clone();
-            tasks.push(tokio::spawn(async move {
-                let _permit = gate.acquire_owned().await;
-                let started = Instant::now();
-                let f = fault.clone();
-                let result = match tokio::spawn(async move { harness::scenario(&*f).await }).await {
-                    Ok(r) => r,
-                    Err(panic) => Err(format!("panicked: {panic}")),
-                };
-                (fault.name(), result, started.elapsed())
-            }));
-        }
-        // The campaign's seeds queue behind the scenarios (the gate is fair).
-        let mut seed_tasks = Vec::new();
-        for seed in seeds {
-            let gate = gate.clone();
-            seed_tasks.push(tokio::spawn(async move {
-                let _permit = gate.acquire_owned().await;
-                match tokio::spawn(campaign::run_seed(seed, secs)).await {
-                    Ok(o) => o,
-                    Err(panic) => campaign::Outcome {
-                        seed,
-                        error: Some(format!("panicked: {panic}")),
-                        ..campaign::Outcome::default()
-                    },
-                }
-            }));
-        }
-        let mut out = Vec::new();
-        for t in tasks {
-            match t.await {
-                Ok(r) => out.push(r),
-                Err(e) => out.push(("?", Err(format!("task failed: {e}")), Duration::ZERO)),
-            }
-        }
-        let mut outcomes = Vec::new();
-        for t in seed_tasks {
-            if let Ok(o) = t.await {
-                outcomes.push(o);
-            }
-        }
-        (out, outcomes)
-    });
+    let (results, outcomes) = runtime.block_on(run_all(selected, seeds, secs));
     let (mut passed, mut failed) = (0, 0);
     if !results.is_empty() {
         (passed, failed) = report(&results);
@@ -132,7 +78,76 @@ fn main() {
     }
 }
 
-fn report(results: &[(&str, Result<Row, String>, Duration)]) -> (usize, usize) {
+/// The scenarios the command line names by id or name (all when it names none).
+fn selected(filters: &[String]) -> Vec<Arc<dyn Fault>> {
+    scenarios::all()
+        .into_iter()
+        .filter(|f| {
+            filters.is_empty()
+                || filters.iter().any(|x| {
+                    f.id().contains(x.as_str())
+                        || f.name().contains(x.as_str())
+                        || "faults".contains(x.as_str())
+                })
+        })
+        .collect()
+}
+
+/// Every scenario, then the campaign's seeds, two at a time: enough to
+/// overlap the waits on a 2-core machine.
+async fn run_all(
+    selected: Vec<Arc<dyn Fault>>,
+    seeds: Vec<u64>,
+    secs: u64,
+) -> (Vec<ScenarioResult>, Vec<campaign::Outcome>) {
+    let gate = Arc::new(tokio::sync::Semaphore::new(2));
+    let mut tasks = Vec::new();
+    for fault in selected {
+        let gate = gate.clone();
+        tasks.push(tokio::spawn(async move {
+            let _permit = gate.acquire_owned().await;
+            let started = Instant::now();
+            let f = fault.clone();
+            let result = match tokio::spawn(async move { harness::scenario(&*f).await }).await {
+                Ok(r) => r,
+                Err(panic) => Err(format!("panicked: {panic}")),
+            };
+            (fault.name(), result, started.elapsed())
+        }));
+    }
+    // The campaign's seeds queue behind the scenarios (the gate is fair).
+    let mut seed_tasks = Vec::new();
+    for seed in seeds {
+        let gate = gate.clone();
+        seed_tasks.push(tokio::spawn(async move {
+            let _permit = gate.acquire_owned().await;
+            match tokio::spawn(campaign::run_seed(seed, secs)).await {
+                Ok(o) => o,
+                Err(panic) => campaign::Outcome {
+                    seed,
+                    error: Some(format!("panicked: {panic}")),
+                    ..campaign::Outcome::default()
+                },
+            }
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        match t.await {
+            Ok(r) => out.push(r),
+            Err(e) => out.push(("?", Err(format!("task failed: {e}")), Duration::ZERO)),
+        }
+    }
+    let mut outcomes = Vec::new();
+    for t in seed_tasks {
+        if let Ok(o) = t.await {
+            outcomes.push(o);
+        }
+    }
+    (out, outcomes)
+}
+
+fn report(results: &[ScenarioResult]) -> (usize, usize) {
     println!();
     println!("| scenario | requests | 202 | 202 → order | 202 broken | 503 | conn. lost | 5xx or lost | without service (target) | later gap | live orders (paid) | cancelled | failed | withdrawn | reconcile runs | invariants | s |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |");

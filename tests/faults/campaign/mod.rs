@@ -23,9 +23,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use testkit::api::Caller;
 use testkit::availability::{Outage, Prober, Sample, BITES_WITHIN};
-use testkit::invariants::Answer;
-use testkit::process::Service;
+use testkit::invariants::{Answer, Probe};
 use testkit::rng::Rng;
 
 use crate::harness::{self, Run, Setup};
@@ -290,35 +290,93 @@ struct Struck {
     bound: Duration,
 }
 
+/// The buyers under way: their tasks, the operators', and when the busy part
+/// began (the schedule counts from it).
+struct Busy {
+    from: Instant,
+    buyers: Vec<tokio::task::JoinHandle<()>>,
+    operators: Vec<tokio::task::JoinHandle<()>>,
+    warmup: Answer,
+}
+
 async fn campaign(
     plan: &Plan,
     kinds: &[Box<dyn Nemesis>],
     run: &mut Run,
     outcome: &mut Outcome,
 ) -> Result<(), String> {
-    let auth = harness::test_auth();
     let crowd = Crowd {
-        client: run.client.clone(),
-        targets: Arc::new(run.services.iter().map(Service::base).collect()),
+        apis: Arc::new(run.apis()),
         sku: run.sku.clone(),
-        auth: auth.clone(),
         tally: Arc::new(Mutex::new(Tally::default())),
         active: Arc::new(AtomicUsize::new(plan.users)),
         stop: Arc::new(AtomicBool::new(false)),
     };
+    let busy = start_buyers(plan, run, &crowd).await?;
+    let reconciles = Arc::new(AtomicUsize::new(0));
+    let hammer = tokio::spawn(harness::hammer_reconcile(
+        crowd.apis.clone(),
+        run.activity_id.clone(),
+        run.stop.clone(),
+        reconciles.clone(),
+    ));
+    let (struck, probes) = strike_the_schedule(plan, kinds, run, &crowd, busy.from).await?;
+    for t in busy.operators {
+        let _ = t.await;
+    }
+    // Every fault is healed: the rest only reads the run.
+    let run: &Run = run;
+    let probe = run.probe();
+    wait_settled(run, &crowd, &probe, outcome).await;
+    let mut answers: Vec<Answer> = vec![busy.warmup];
+    nothing_stays_shut(plan, run, &crowd, &probe, &mut answers, outcome).await;
+    crowd.stop.store(true, Ordering::SeqCst);
+    for t in busy.buyers {
+        let _ = t.await;
+    }
+    run.stop.store(true, Ordering::SeqCst);
+    let _ = hammer.await;
+
+    // Invariants 1 to 4, with every reservation answer any client got.
+    let tally = std::mem::take(&mut *crowd.tally.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut samples = tally.samples;
+    samples.extend(probes);
+    answers.extend(samples.iter().map(|s| s.answer.clone()));
+    check_invariants(&probe, &answers, outcome).await;
+    // A payment answered 200 is kept: the order is paid, never cancelled.
+    let unpaid_paid = paid_but_not_paid(run, &tally.paid).await?;
+    if !unpaid_paid.is_empty() {
+        outcome.violations.push(format!(
+            "payments: {} orders answered 200 to their payment are not paid: {:?}",
+            unpaid_paid.len(),
+            unpaid_paid.iter().take(5).collect::<Vec<_>>()
+        ));
+    }
+    check_availability(plan, &struck, &samples, busy.from, outcome);
+    println!(
+        "campaign: seed {}: payments {:?}, top-ups {:?}, reconcile runs {}",
+        plan.seed,
+        tally.payments,
+        tally.top_ups,
+        reconciles.load(Ordering::SeqCst)
+    );
+    Ok(())
+}
+
+/// The buyers and the operators' top-ups, each at its drawn time. In a
+/// waiting room the first crowd joins before the start (and is drawn): buyers
+/// are under way before the warm-up waits for its own turn.
+async fn start_buyers(plan: &Plan, run: &Run, crowd: &Crowd) -> Result<Busy, String> {
     let buyers: Vec<Buyer> = (0..plan.users)
         .map(|i| Buyer::draw(plan.seed, i, plan))
         .collect();
-    // In a waiting room the first crowd joins before the start (and is drawn):
-    // buyers are under way before the warm-up waits for its own turn.
+    let early = |b: &Buyer| plan.waiting_room && b.arrives < Duration::from_secs(2);
     let busy_from = Instant::now();
     let mut tasks = Vec::new();
-    if plan.waiting_room {
-        for b in buyers.iter().filter(|b| b.arrives < Duration::from_secs(2)) {
-            tasks.push(tokio::spawn(crowd.clone().buy(b.clone(), true, busy_from)));
-        }
+    for b in buyers.iter().filter(|b| early(b)) {
+        tasks.push(tokio::spawn(crowd.clone().buy(b.clone(), true, busy_from)));
     }
-    let warmup = match harness::ready(run, &auth).await {
+    let warmup = match harness::ready(run).await {
         Ok(w) => w,
         Err(e) => {
             crowd.stop.store(true, Ordering::SeqCst);
@@ -329,37 +387,41 @@ async fn campaign(
         true => busy_from,
         false => Instant::now(),
     };
-    for b in buyers {
-        if plan.waiting_room && b.arrives < Duration::from_secs(2) {
-            continue;
-        }
+    for b in buyers.into_iter().filter(|b| !early(b)) {
         tasks.push(tokio::spawn(crowd.clone().buy(
             b,
             plan.waiting_room,
             busy_from,
         )));
     }
-    let mut admin_tasks = Vec::new();
-    for (at, units) in &plan.top_ups {
-        admin_tasks.push(tokio::spawn(crowd.clone().top_up(
-            run.admin.clone(),
-            run.activity_id.clone(),
-            *at,
-            *units,
-            busy_from,
-        )));
-    }
-    let reconciles = Arc::new(AtomicUsize::new(0));
-    let hammer = tokio::spawn(harness::hammer_reconcile(
-        run.client.clone(),
-        crowd.targets.clone(),
-        run.admin.clone(),
-        run.activity_id.clone(),
-        run.stop.clone(),
-        reconciles.clone(),
-    ));
+    let operators = plan
+        .top_ups
+        .iter()
+        .map(|(at, units)| {
+            tokio::spawn(
+                crowd
+                    .clone()
+                    .top_up(run.activity_id.clone(), *at, *units, busy_from),
+            )
+        })
+        .collect();
+    Ok(Busy {
+        from: busy_from,
+        buyers: tasks,
+        operators,
+        warmup,
+    })
+}
 
-    // The schedule, one fault at a time.
+/// The schedule, one fault at a time, each healed and watched before the
+/// next; what struck when, and the probes' answers.
+async fn strike_the_schedule(
+    plan: &Plan,
+    kinds: &[Box<dyn Nemesis>],
+    run: &mut Run,
+    crowd: &Crowd,
+    busy_from: Instant,
+) -> Result<(Vec<Struck>, Vec<Sample>), String> {
     let mut struck = Vec::new();
     let mut probes: Vec<Sample> = Vec::new();
     for (n, e) in plan.episodes.iter().enumerate() {
@@ -367,9 +429,9 @@ async fn campaign(
         let nemesis = &kinds[e.nemesis];
         let prober = Prober::start(
             run.client.clone(),
-            crowd.targets.to_vec(),
+            crowd.apis.iter().map(|api| api.base.clone()).collect(),
             run.sku.clone(),
-            auth.clone(),
+            run.auth.clone(),
             format!("probe-{n}-"),
             PROBE_EVERY,
         );
@@ -412,16 +474,13 @@ async fn campaign(
             bound: nemesis.bound(),
         });
     }
-    for t in admin_tasks {
-        let _ = t.await;
-    }
-    // Every fault is healed: the rest only reads the run.
-    let run: &Run = run;
+    Ok((struck, probes))
+}
 
-    // Quiet: buyers done (or polling a sold_out), nothing pending, no order
-    // awaiting payment; lapses bring units back and reopen a room, so round
-    // again until it all holds at once.
-    let probe = run.probe();
+/// Quiet: buyers done (or polling a sold_out), nothing pending, no order
+/// awaiting payment; lapses bring units back and reopen a room, so round
+/// again until it all holds at once.
+async fn wait_settled(run: &Run, crowd: &Crowd, probe: &Probe, outcome: &mut Outcome) {
     let settled = testkit::within(Duration::from_secs(120), "the sale to settle", || async {
         if crowd.active.load(Ordering::SeqCst) > 0 {
             return None;
@@ -442,64 +501,66 @@ async fn campaign(
             unpaid(run).await
         ));
     }
+}
 
-    let mut answers: Vec<Answer> = vec![warmup];
-    // Invariant 5: nothing stays shut while units are for sale.
-    if plan.waiting_room {
-        let joined = crowd
-            .tally
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .joined
-            .clone();
-        // Admissions run on a tick: the last look's complaint is the finding.
-        let last = Mutex::new(String::new());
-        let told = testkit::within(
-            Duration::from_secs(30),
-            "every joined user told",
-            || async {
-                let places = places(run, &crowd, &joined).await;
-                match probe.room_outcomes(&places).await {
-                    Ok(()) => Some(()),
-                    Err(e) => {
-                        *last.lock().unwrap_or_else(|e| e.into_inner()) = e;
-                        None
-                    }
-                }
-            },
-        )
-        .await;
-        if told.is_err() {
-            let last = last.into_inner().unwrap_or_else(|e| e.into_inner());
-            outcome
-                .violations
-                .push(format!("invariant 5 (waiting room, once quiet): {last}"));
-        }
-    } else {
-        match stranded(run, &crowd).await {
+/// Invariant 5: nothing stays shut while units are for sale. A waiting room
+/// has told every joined user an outcome; an open sale sells the units it
+/// still has (that buyer's answer joins `answers`).
+async fn nothing_stays_shut(
+    plan: &Plan,
+    run: &Run,
+    crowd: &Crowd,
+    probe: &Probe,
+    answers: &mut Vec<Answer>,
+    outcome: &mut Outcome,
+) {
+    if !plan.waiting_room {
+        match stranded(run).await {
             Ok(Some(a)) => answers.push(a),
             Ok(None) => {}
             Err(e) => outcome
                 .violations
                 .push(format!("invariant 5 (units stranded): {e}")),
         }
+        return;
     }
-    crowd.stop.store(true, Ordering::SeqCst);
-    for t in tasks {
-        let _ = t.await;
+    let joined = crowd
+        .tally
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .joined
+        .clone();
+    // Admissions run on a tick: the last look's complaint is the finding.
+    let last = Mutex::new(String::new());
+    let told = testkit::within(
+        Duration::from_secs(30),
+        "every joined user told",
+        || async {
+            let places = places(run, &joined).await;
+            match probe.room_outcomes(&places).await {
+                Ok(()) => Some(()),
+                Err(e) => {
+                    *last.lock().unwrap_or_else(|e| e.into_inner()) = e;
+                    None
+                }
+            }
+        },
+    )
+    .await;
+    if told.is_err() {
+        let last = last.into_inner().unwrap_or_else(|e| e.into_inner());
+        outcome
+            .violations
+            .push(format!("invariant 5 (waiting room, once quiet): {last}"));
     }
-    run.stop.store(true, Ordering::SeqCst);
-    let _ = hammer.await;
+}
 
-    // Invariants 1 to 4, with every reservation answer any client got.
-    let tally = std::mem::take(&mut *crowd.tally.lock().unwrap_or_else(|e| e.into_inner()));
-    let mut samples = tally.samples;
-    samples.extend(probes);
-    answers.extend(samples.iter().map(|s| s.answer.clone()));
+/// Invariants 1 to 4 over every answer, once quiet.
+async fn check_invariants(probe: &Probe, answers: &[Answer], outcome: &mut Outcome) {
     if let Err(e) = probe.wait_quiet(Duration::from_secs(60)).await {
         outcome.violations.push(format!("liveness: {e}"));
     }
-    match probe.check(&answers).await {
+    match probe.check(answers).await {
         Ok(f) => {
             outcome.requests = f.requests;
             outcome.accepted = f.accepted;
@@ -510,17 +571,17 @@ async fn campaign(
             outcome.violations.push(format!("invariants: {e}"));
         }
     }
-    // A payment answered 200 is kept: the order is paid, never cancelled.
-    let unpaid_paid = paid_but_not_paid(run, &tally.paid).await?;
-    if !unpaid_paid.is_empty() {
-        outcome.violations.push(format!(
-            "payments: {} orders answered 200 to their payment are not paid: {:?}",
-            unpaid_paid.len(),
-            unpaid_paid.iter().take(5).collect::<Vec<_>>()
-        ));
-    }
-    // Availability: after each heal, within the kind's bound, and no second gap.
-    for s in &struck {
+}
+
+/// Availability: after each heal, within the kind's bound, and no second gap.
+fn check_availability(
+    plan: &Plan,
+    struck: &[Struck],
+    samples: &[Sample],
+    busy_from: Instant,
+    outcome: &mut Outcome,
+) {
+    for s in struck {
         let window: Vec<Sample> = samples
             .iter()
             .filter(|x| x.sent >= s.from && x.sent < s.until)
@@ -555,14 +616,6 @@ async fn campaign(
             ));
         }
     }
-    println!(
-        "campaign: seed {}: payments {:?}, top-ups {:?}, reconcile runs {}",
-        plan.seed,
-        tally.payments,
-        tally.top_ups,
-        reconciles.load(Ordering::SeqCst)
-    );
-    Ok(())
 }
 
 /// Orders awaiting payment (`None`: MySQL did not answer).
@@ -580,16 +633,13 @@ async fn unpaid(run: &Run) -> Option<i64> {
 }
 
 /// Each joined user's state as `GET /flash/{sku}/queue` answers it now.
-async fn places(run: &Run, crowd: &Crowd, users: &[String]) -> Vec<(String, String)> {
-    let url = format!("{}/flash/{}/queue", run.base(), run.sku);
+async fn places(run: &Run, users: &[String]) -> Vec<(String, String)> {
+    let api = run.api();
     let mut out = Vec::with_capacity(users.len());
     for u in users {
-        let token = crowd.auth.issue(u, 3600).unwrap_or_default();
         let state = async {
-            let resp = crowd
-                .client
-                .get(&url)
-                .bearer_auth(token)
+            let resp = api
+                .queue_place(&run.sku, Caller::User(u))
                 .send()
                 .await
                 .ok()?;
@@ -609,28 +659,18 @@ async fn places(run: &Run, crowd: &Crowd, users: &[String]) -> Vec<(String, Stri
 /// An open sale with units left once quiet sells them: a new buyer gets `202`
 /// (within a few seconds: a dry-shard cache or a gate may take that long to
 /// notice). Returns that buyer's answer for the checker.
-async fn stranded(run: &Run, crowd: &Crowd) -> Result<Option<Answer>, String> {
+async fn stranded(run: &Run) -> Result<Option<Answer>, String> {
     let probe = run.probe();
     let left = probe.units_left().await?;
     if left.unwrap_or(0) <= 0 {
         return Ok(None);
     }
+    let api = run.api();
     let mut seen = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
     for i in 0.. {
-        let token = crowd
-            .auth
-            .issue(&format!("late-{i}"), 3600)
-            .unwrap_or_default();
-        let a = Answer::from_response(
-            crowd
-                .client
-                .post(format!("{}/flash/{}/reserve", run.base(), run.sku))
-                .bearer_auth(token)
-                .send()
-                .await,
-        )
-        .await;
+        let request = api.reserve(&run.sku, Caller::User(&format!("late-{i}")));
+        let a = Answer::from_response(request.send().await).await;
         if a.status == Some(202) {
             return Ok(Some(a));
         }

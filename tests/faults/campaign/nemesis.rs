@@ -321,14 +321,11 @@ impl Nemesis for InsertRevoked {
 /// An operator's admin call on the sale, through instance `target`, retried
 /// while it answers `503` (a preload waits for the consumers' lag to drain).
 async fn admin(run: &Run, target: usize, step: &str) -> Result<(), String> {
-    let base = run.services[target % run.services.len()].base();
-    let url = format!("{base}/admin/activities/{}/{step}", run.activity_id);
+    let api = run.api_of(target % run.services.len());
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let status = run
-            .client
-            .post(&url)
-            .bearer_auth(&run.admin)
+        let status = api
+            .admin_step(&run.activity_id, step)
             .send()
             .await
             .map(|r| r.status().as_u16());

@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use flashsale::auth::Auth;
 use serde_json::Value;
+use testkit::api::{Api, Caller};
 use testkit::availability::Sample;
 use testkit::rng::Rng;
 
@@ -80,10 +80,9 @@ pub struct Tally {
 /// Shared by the buyers and the campaign.
 #[derive(Clone)]
 pub struct Crowd {
-    pub client: reqwest::Client,
-    pub targets: Arc<Vec<String>>,
+    /// Every instance's doors; a buyer uses the one it was drawn.
+    pub apis: Arc<Vec<Api>>,
     pub sku: String,
-    pub auth: Auth,
     pub tally: Arc<Mutex<Tally>>,
     /// Buyers still acting (not merely polling a `sold_out`).
     pub active: Arc<AtomicUsize>,
@@ -102,28 +101,28 @@ impl Crowd {
         self.tally.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn url(&self, via: usize, path: &str) -> String {
-        format!("{}{path}", self.targets[via % self.targets.len()])
+    fn api(&self, via: usize) -> &Api {
+        &self.apis[via % self.apis.len()]
     }
 
     /// One buyer's whole life, from its arrival.
     pub async fn buy(self, b: Buyer, room: bool, started: Instant) {
         tokio::time::sleep_until((started + b.arrives).into()).await;
-        let token = self.auth.issue(&b.user, 3600).unwrap_or_default();
+        let token = self.api(b.via).token(&b.user);
+        let caller = Caller::Token(&token);
         let reserved = match room {
-            false => self.reserve(&b, &token).await,
-            true => self.wait_turn(&b, &token).await,
+            false => self.reserve(&b, caller).await,
+            true => self.wait_turn(&b, caller).await,
         };
         if let (true, Some(after)) = (reserved, b.pays_after) {
-            self.pay(&b, &token, after).await;
+            self.pay(&b, caller, after).await;
         }
         self.active.fetch_sub(1, Ordering::SeqCst);
     }
 
     /// Reserves (twice at once on a double click); whether it holds one now.
-    async fn reserve(&self, b: &Buyer, token: &str) -> bool {
-        let url = self.url(b.via, &format!("/flash/{}/reserve", self.sku));
-        let click = || Sample::take(self.client.post(&url).bearer_auth(token), b.via);
+    async fn reserve(&self, b: &Buyer, caller: Caller<'_>) -> bool {
+        let click = || Sample::take(self.api(b.via).reserve(&self.sku, caller), b.via);
         let samples = match b.double_click {
             true => {
                 let (first, second) = tokio::join!(click(), click());
@@ -139,79 +138,22 @@ impl Crowd {
     }
 
     /// Joins the room and waits for a turn; whether it reserved.
-    async fn wait_turn(&self, b: &Buyer, token: &str) -> bool {
-        let url = self.url(b.via, &format!("/flash/{}/queue", self.sku));
-        // Joining is retried through faults: a user who never got in is no one's
-        // to tell.
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let status = self
-                .client
-                .post(&url)
-                .bearer_auth(token)
-                .send()
-                .await
-                .map(|r| r.status().as_u16());
-            if let Ok(200 | 201) = status {
-                self.tally().joined.push(b.user.clone());
-                break;
-            }
-            if Instant::now() > deadline || self.stop.load(Ordering::SeqCst) {
-                return false;
-            }
-            tokio::time::sleep(b.poll).await;
+    async fn wait_turn(&self, b: &Buyer, caller: Caller<'_>) -> bool {
+        if !self.join(b, caller).await {
+            return false;
         }
         let mut told_sold_out = false;
         let mut forgotten: Option<Instant> = None;
         while !self.stop.load(Ordering::SeqCst) {
-            let place = async {
-                let resp = self.client.get(&url).bearer_auth(token).send().await.ok()?;
-                if resp.status() == reqwest::StatusCode::NOT_FOUND {
-                    return Some(serde_json::json!({ "state": "forgotten" }));
-                }
-                resp.json::<Value>().await.ok()
-            }
-            .await
-            .unwrap_or_default();
+            let place = self.place(b, caller).await;
             if place["state"] != "forgotten" {
                 forgotten = None;
             }
-            match place["state"].as_str() {
-                // Joined, and unknown to the room for longer than a rebuild takes:
-                // nothing will tell this user anything (the checks report it).
-                Some("forgotten")
-                    if forgotten.get_or_insert_with(Instant::now).elapsed() > FORGOTTEN =>
-                {
-                    self.back(&mut told_sold_out);
-                    return false;
-                }
-                Some("forgotten") => {}
-                // Reserved already (an answer lost on the way).
-                Some("admitted") if place["admitted_until"].is_null() => {
-                    self.back(&mut told_sold_out);
-                    return true;
-                }
-                Some("admitted") if b.walks_away => {
-                    self.back(&mut told_sold_out);
-                    return false;
-                }
-                Some("admitted") => {
-                    self.back(&mut told_sold_out);
-                    if self.reserve(b, token).await {
-                        return true;
-                    }
-                }
-                Some("expired") => {
-                    self.back(&mut told_sold_out);
-                    return false;
-                }
-                // Not final while the sale is open (API.md version 3): a buyer
-                // still polling keeps its place if units come back.
-                Some("sold_out") if !told_sold_out => {
-                    told_sold_out = true;
-                    self.active.fetch_sub(1, Ordering::SeqCst);
-                }
-                _ => {}
+            let step = self
+                .on_place(b, caller, &place, &mut told_sold_out, &mut forgotten)
+                .await;
+            if let Some(reserved) = step {
+                return reserved;
             }
             let pace = match told_sold_out {
                 true => Duration::from_secs(1),
@@ -226,6 +168,91 @@ impl Crowd {
         false
     }
 
+    /// Joins, retried through faults: a user who never got in is no one's to
+    /// tell. Whether it joined.
+    async fn join(&self, b: &Buyer, caller: Caller<'_>) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let status = self
+                .api(b.via)
+                .join_queue(&self.sku, caller)
+                .send()
+                .await
+                .map(|r| r.status().as_u16());
+            if let Ok(200 | 201) = status {
+                self.tally().joined.push(b.user.clone());
+                return true;
+            }
+            if Instant::now() > deadline || self.stop.load(Ordering::SeqCst) {
+                return false;
+            }
+            tokio::time::sleep(b.poll).await;
+        }
+    }
+
+    /// The buyer's place as the room answers it (`forgotten` for a `404`,
+    /// empty when there was no answer).
+    async fn place(&self, b: &Buyer, caller: Caller<'_>) -> Value {
+        let request = self.api(b.via).queue_place(&self.sku, caller);
+        async {
+            let resp = request.send().await.ok()?;
+            if resp.status() == reqwest::StatusCode::NOT_FOUND {
+                return Some(serde_json::json!({ "state": "forgotten" }));
+            }
+            resp.json::<Value>().await.ok()
+        }
+        .await
+        .unwrap_or_default()
+    }
+
+    /// What the buyer does on hearing its place: `Some(reserved)` once its
+    /// wait is over, `None` to keep polling.
+    async fn on_place(
+        &self,
+        b: &Buyer,
+        caller: Caller<'_>,
+        place: &Value,
+        told_sold_out: &mut bool,
+        forgotten: &mut Option<Instant>,
+    ) -> Option<bool> {
+        match place["state"].as_str() {
+            // Joined, and unknown to the room for longer than a rebuild takes:
+            // nothing will tell this user anything (the checks report it).
+            Some("forgotten")
+                if forgotten.get_or_insert_with(Instant::now).elapsed() > FORGOTTEN =>
+            {
+                self.back(told_sold_out);
+                Some(false)
+            }
+            Some("forgotten") => None,
+            // Reserved already (an answer lost on the way).
+            Some("admitted") if place["admitted_until"].is_null() => {
+                self.back(told_sold_out);
+                Some(true)
+            }
+            Some("admitted") if b.walks_away => {
+                self.back(told_sold_out);
+                Some(false)
+            }
+            Some("admitted") => {
+                self.back(told_sold_out);
+                self.reserve(b, caller).await.then_some(true)
+            }
+            Some("expired") => {
+                self.back(told_sold_out);
+                Some(false)
+            }
+            // Not final while the sale is open (API.md version 3): a buyer
+            // still polling keeps its place if units come back.
+            Some("sold_out") if !*told_sold_out => {
+                *told_sold_out = true;
+                self.active.fetch_sub(1, Ordering::SeqCst);
+                None
+            }
+            _ => None,
+        }
+    }
+
     /// A buyer told `sold_out` who is moving again counts as acting.
     fn back(&self, told_sold_out: &mut bool) {
         if std::mem::take(told_sold_out) {
@@ -234,12 +261,12 @@ impl Crowd {
     }
 
     /// Waits for the order, then pays `after` its creation.
-    async fn pay(&self, b: &Buyer, token: &str, after: Duration) {
-        let url = self.url(b.via, &format!("/flash/{}/reservation", self.sku));
+    async fn pay(&self, b: &Buyer, caller: Caller<'_>, after: Duration) {
+        let api = self.api(b.via);
         let deadline = Instant::now() + Duration::from_secs(30);
         let order = loop {
             let view = async {
-                let resp = self.client.get(&url).bearer_auth(token).send().await.ok()?;
+                let resp = api.reservation(&self.sku, caller).send().await.ok()?;
                 resp.json::<Value>().await.ok()
             }
             .await
@@ -253,10 +280,8 @@ impl Crowd {
             tokio::time::sleep(Duration::from_millis(300)).await;
         };
         tokio::time::sleep(after).await;
-        let status = self
-            .client
-            .post(self.url(b.via, &format!("/orders/{order}/pay")))
-            .bearer_auth(token)
+        let status = api
+            .pay(&order, caller)
             .send()
             .await
             .map(|r| r.status().as_u16());
@@ -268,20 +293,11 @@ impl Crowd {
     }
 
     /// An operator adds `units` at `at` from the start.
-    pub async fn top_up(
-        self,
-        admin: String,
-        activity: String,
-        at: Duration,
-        units: u32,
-        started: Instant,
-    ) {
+    pub async fn top_up(self, activity: String, at: Duration, units: u32, started: Instant) {
         tokio::time::sleep_until((started + at).into()).await;
         let status = self
-            .client
-            .post(self.url(0, &format!("/admin/activities/{activity}/stock")))
-            .bearer_auth(admin)
-            .json(&serde_json::json!({ "add": units }))
+            .api(0)
+            .top_up(&activity, &serde_json::json!({ "add": units }))
             .send()
             .await
             .map(|r| r.status().as_u16());

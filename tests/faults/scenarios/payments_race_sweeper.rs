@@ -6,8 +6,8 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use flashsale::auth::Auth;
 use futures::future::BoxFuture;
+use testkit::api::Caller;
 
 use crate::harness::{Fault, Run, Setup};
 
@@ -25,16 +25,8 @@ impl Fault for PaymentsRaceSweeper {
     }
     fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
-            let s = flashsale::config::Settings::load_from(
-                &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
-                "test",
-            )
-            .map_err(|e| e.to_string())?;
-            let auth = Auth::new(s.auth.admin_token.clone(), &s.auth.user_token_secret)
-                .map_err(|e| e.to_string())?;
-            let (client, base, mysql, activity, stop) = (
-                run.client.clone(),
-                run.base(),
+            let (api, mysql, activity, stop) = (
+                run.api(),
                 run.root_mysql_url.clone(),
                 run.activity_id.clone(),
                 run.stop.clone(),
@@ -56,14 +48,12 @@ impl Fault for PaymentsRaceSweeper {
                         if id % 2 == 1 || !tried.insert(id) {
                             continue;
                         }
-                        let client = client.clone();
-                        let url = format!("{base}/orders/{id}/pay");
-                        let token = auth.issue(&user, 3600).unwrap_or_default();
+                        let request = api.pay(&id.to_string(), Caller::User(&user));
                         // Spread over the deadline: some before, some after.
                         let delay = Duration::from_millis(1500 + (id % 8) * 100);
                         tokio::spawn(async move {
                             tokio::time::sleep(delay).await;
-                            let _ = client.post(url).bearer_auth(token).send().await;
+                            let _ = request.send().await;
                         });
                     }
                     tokio::time::sleep(Duration::from_millis(100)).await;

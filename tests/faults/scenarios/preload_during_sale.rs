@@ -13,13 +13,8 @@ pub struct PreloadDuringSale;
 
 impl PreloadDuringSale {
     async fn admin(run: &Run, step: &str) -> Result<u16, String> {
-        run.client
-            .post(format!(
-                "{}/admin/activities/{}/{step}",
-                run.base(),
-                run.activity_id
-            ))
-            .bearer_auth(&run.admin)
+        run.api()
+            .admin_step(&run.activity_id, step)
             .send()
             .await
             .map(|r| r.status().as_u16())
