@@ -17,11 +17,11 @@ use serde_json::json;
 use testkit::sale::SaleSpec;
 
 use crate::client::{call_json, expect_json};
+use crate::clock::now_unix_ms;
 use crate::context::Bench;
 use crate::model::GateSection;
 use crate::process::{LoadArgs, ServerChild};
 use crate::server::StrategyKind;
-use crate::suite::now_unix_ms;
 
 /// Seconds of the flood; the units come back about halfway.
 const FLOOD_S: f64 = 4.0;

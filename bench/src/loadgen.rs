@@ -25,7 +25,7 @@ use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use flashsale::auth::Auth;
@@ -36,6 +36,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use crate::client::{error_code, Conn};
+use crate::clock::unix_ms;
 
 /// One simulated user and the `Authorization` header its requests carry.
 #[derive(Clone)]
@@ -244,12 +245,6 @@ pub struct LoadReport {
     pub late_starts: u64,
     pub timeline: Vec<TimelinePoint>,
     pub sale: SaleCheck,
-}
-
-fn unix_ms(t: SystemTime) -> f64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64() * 1000.0)
-        .unwrap_or(0.0)
 }
 
 /// State the workers share: the next request number and the per-user win counts.

@@ -26,6 +26,7 @@ use sqlx::migrate::MigrateDatabase;
 use sqlx::{Connection, MySql, MySqlConnection};
 
 use crate::ceiling::{self, BrokerCeiling, RedisCeiling};
+use crate::clock::now_unix_ms;
 use crate::context::Bench;
 use crate::machine::{self, CpuSampler, Machine};
 use crate::model::Summary;
@@ -33,13 +34,6 @@ use crate::options::SuiteOptions;
 use crate::process::{sibling, Loadtest};
 use crate::side::SideQuery;
 use crate::with_database;
-
-pub fn now_unix_ms() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64() * 1000.0)
-        .unwrap_or(0.0)
-}
 
 /// Runs the comparison and writes `summary.json` and `report.md` into `opts.out`.
 pub async fn run(opts: SuiteOptions, command: String) -> anyhow::Result<Summary> {
