@@ -16,9 +16,8 @@ COPY Cargo.toml Cargo.lock ./
 # manifests and target paths, though `cargo build` at the root never builds them.
 COPY bench ./bench
 COPY testkit ./testkit
-RUN mkdir -p src benches tests/faults \
+RUN mkdir -p src tests/faults \
  && echo 'fn main() {}' > src/main.rs \
- && echo 'fn main() {}' > benches/consumer.rs \
  && echo 'fn main() {}' > tests/faults/main.rs \
  && touch src/lib.rs \
  && cargo build --release --locked \
@@ -30,7 +29,6 @@ RUN mkdir -p src benches tests/faults \
 # If compile-time checked sqlx::query! macros are adopted, run
 # `cargo sqlx prepare` and add `COPY .sqlx ./.sqlx` here (SQLX_OFFLINE is set).
 COPY src ./src
-COPY benches ./benches
 COPY migrations ./migrations
 COPY config ./config
 ENV SQLX_OFFLINE=true

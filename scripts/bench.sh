@@ -11,6 +11,7 @@
 #   scripts/bench.sh                          # everything, defaults
 #   scripts/bench.sh --duration 5 --users 100000 --strategies noop,service
 #   scripts/bench.sh --help                   # every size and duration
+#   scripts/bench.sh consumer                 # the order consumer alone (below)
 #
 # Writes results/report.md, results/summary.json, results/runs/*.json and, with
 # matplotlib (installed from PyPI into .run/bench-venv on first use), the plots
@@ -29,6 +30,11 @@
 #       --flood-duration 0 --gate-units 0 --producer-duration 0 \
 #       --fairness-users 0 --cluster-units 0
 #
+# `scripts/bench.sh consumer` prints the order consumer's throughput into MariaDB
+# for batch sizes 1, 10, 100 and 500 (BENCH_ORDERS orders a run, 10,000 if unset):
+# the benchmark crate's `cargo bench` target, `cargo bench -p flashsale-bench
+# --bench consumer` once the services run.
+#
 # Everything runs on loopback: Redis, MariaDB and the broker from
 # scripts/services.sh, and one benchmark server at a time on a free port.
 # Other heavy work on the machine (a build, a test suite) skews the figures: the
@@ -43,6 +49,9 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
 fi
 
 scripts/services.sh
+if [[ "${1:-}" == "consumer" ]]; then
+    exec cargo bench --locked -p flashsale-bench --bench consumer
+fi
 # wrk measures the flood section (Debian's package).
 if ! command -v wrk >/dev/null 2>&1; then
     echo "bench: installing wrk (Debian package wrk)"

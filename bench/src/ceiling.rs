@@ -19,6 +19,7 @@ use anyhow::{bail, Context};
 use flashsale::config::KafkaSettings;
 use flashsale::kafka::{self, Publisher, ReservationMessage};
 use flashsale::stock::Keys;
+use redis::aio::MultiplexedConnection;
 use serde::{Deserialize, Serialize};
 use tokio::process::Command;
 
@@ -170,22 +171,7 @@ pub async fn redis_evalsha(
         .query_async(&mut conn)
         .await
         .context("SCRIPT LOAD failed")?;
-
-    // A sale of its own, loaded the way preload.lua leaves one: stock and state set.
-    let activity = format!(
-        "benchceil{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
-    let k = Keys::new(&activity);
-    let _: () = redis::pipe()
-        .set(&k.stock, 1_000_000_000_i64)
-        .ignore()
-        .set(&k.state, "open")
-        .ignore()
-        .query_async(&mut conn)
-        .await
-        .context("failed to set up the ceiling's sale")?;
-
+    let k = ceiling_sale(&mut conn).await?;
     let (host, port) = host_port(redis_url);
     let output = Command::new("redis-benchmark")
         .args(["-h", &host, "-p", &port.to_string()])
@@ -201,22 +187,7 @@ pub async fn redis_evalsha(
         .output()
         .await
         .context("failed to run redis-benchmark (is it installed? it comes with redis)")?;
-    let reserved: i64 = redis::cmd("HLEN")
-        .arg(&k.buyers)
-        .query_async(&mut conn)
-        .await
-        .unwrap_or(0);
-    let _: redis::RedisResult<i64> = redis::cmd("UNLINK")
-        .arg(&[
-            &k.stock,
-            &k.buyers,
-            &k.pending,
-            &k.res,
-            &k.state,
-            &k.refunded,
-        ])
-        .query_async(&mut conn)
-        .await;
+    let reserved = remove_ceiling_sale(&mut conn, &k).await;
     if !output.status.success() {
         bail!(
             "redis-benchmark failed: {}",
@@ -239,6 +210,46 @@ pub async fn redis_evalsha(
         p99_ms,
         reserved,
     })
+}
+
+/// A sale of its own, loaded the way preload.lua leaves one: stock and state set.
+async fn ceiling_sale(conn: &mut MultiplexedConnection) -> anyhow::Result<Keys> {
+    let activity = format!(
+        "benchceil{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let k = Keys::new(&activity);
+    let _: () = redis::pipe()
+        .set(&k.stock, 1_000_000_000_i64)
+        .ignore()
+        .set(&k.state, "open")
+        .ignore()
+        .query_async(conn)
+        .await
+        .context("failed to set up the ceiling's sale")?;
+    Ok(k)
+}
+
+/// Removes the ceiling's sale; returns how many buyers the script recorded in it
+/// (0 when Redis cannot say).
+async fn remove_ceiling_sale(conn: &mut MultiplexedConnection, k: &Keys) -> i64 {
+    let reserved: i64 = redis::cmd("HLEN")
+        .arg(&k.buyers)
+        .query_async(conn)
+        .await
+        .unwrap_or(0);
+    let _: redis::RedisResult<i64> = redis::cmd("UNLINK")
+        .arg(&[
+            &k.stock,
+            &k.buyers,
+            &k.pending,
+            &k.res,
+            &k.state,
+            &k.refunded,
+        ])
+        .query_async(conn)
+        .await;
+    reserved
 }
 
 /// (rps, avg, p50, p99) from `redis-benchmark --csv`:

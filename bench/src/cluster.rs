@@ -12,7 +12,6 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
-use flashsale::auth::Auth;
 use flashsale::config::Settings;
 use secrecy::ExposeSecret;
 use testkit::process::RedisCluster;
@@ -55,10 +54,7 @@ pub async fn run(
     addr: SocketAddr,
     pid: Option<u32>,
 ) -> anyhow::Result<Vec<ShardRun>> {
-    let auth = Auth::new(
-        settings.auth.admin_token.clone(),
-        &settings.auth.user_token_secret,
-    )?;
+    let auth = loadgen::signer(&settings.auth)?;
     let http = reqwest::Client::new();
     let mut runs = Vec::new();
     for shards in [1u8, 3] {
@@ -76,38 +72,13 @@ pub async fn run(
         .await
         .map_err(|e| anyhow::anyhow!(e))
         .context("the Cluster sale did not open")?;
-        // Which primary owns which shard.
-        let owners: Vec<(u8, u16)> = {
-            let id = sale.id.clone();
-            tokio::task::block_in_place(|| {
-                flashsale::stock::Keys::all(&id, shards)
-                    .into_iter()
-                    .filter_map(|k| cluster.primary_for(&k.stock).map(|p| (k.shard, p)))
-                    .collect()
-            })
-        };
-        let mut primaries = Vec::new();
-        for node in &cluster.nodes {
-            if is_primary(node.port).await? {
-                primaries.push(node.port);
-            }
-        }
         let users = loadgen::issue_tokens(
             &auth,
             &format!("cluster-k{shards}-{}-", &sale.id[..8.min(sale.id.len())]),
             plan.users,
             3600,
         )?;
-        eprintln!(
-            "== cluster: {} units, {} users × {} clicks, stock_shards = {shards}",
-            plan.units, plan.users, plan.clicks
-        );
-        let mut before = Vec::new();
-        for p in &primaries {
-            before.push(counters(&node_url(*p)).await?);
-        }
-        let cpu_before = pid.and_then(machine::process_cpu_s);
-        let load = loadgen::run(Plan {
+        let load = Plan {
             label: format!("cluster, stock_shards = {shards}"),
             addr,
             sku: sale.sku.clone(),
@@ -121,45 +92,64 @@ pub async fn run(
             request_timeout: plan.request_timeout,
             units: Some(u64::from(plan.units)),
             progress: false,
-        })
-        .await?;
-        let service_cpu_s = pid
-            .and_then(machine::process_cpu_s)
-            .zip(cpu_before)
-            .map(|(a, b)| a - b);
-        let mut shares = Vec::new();
-        for (p, b) in primaries.iter().zip(before) {
-            let a = counters(&node_url(*p)).await?;
-            shares.push(PrimaryShare {
-                port: *p,
-                shards: owners
-                    .iter()
-                    .filter(|(_, o)| o == p)
-                    .map(|(s, _)| *s)
-                    .collect(),
-                script_calls: a.script_calls.saturating_sub(b.script_calls),
-                cpu_s: a.cpu_s - b.cpu_s,
-            });
-        }
-        runs.push(ShardRun {
-            stock_shards: shards,
-            load,
-            primaries: shares,
-            service_cpu_s,
-        });
+        };
+        runs.push(shard_run(plan, cluster, &sale.id, shards, load, pid).await?);
     }
     Ok(runs)
 }
 
-/// Whether the node on `port` is a primary now.
-async fn is_primary(port: u16) -> anyhow::Result<bool> {
-    let client = redis::Client::open(node_url(port))?;
-    let mut conn = client.get_multiplexed_async_connection().await?;
-    let info: String = redis::cmd("INFO")
-        .arg("replication")
-        .query_async(&mut conn)
-        .await?;
-    Ok(info.lines().any(|l| l.trim() == "role:master"))
+/// One sale of `shards` stock shards under `load`, with each primary's share of
+/// the script calls and of Redis CPU.
+async fn shard_run(
+    plan: &ClusterPlan,
+    cluster: &RedisCluster,
+    activity: &str,
+    shards: u8,
+    load: Plan,
+    pid: Option<u32>,
+) -> anyhow::Result<ShardRun> {
+    // Which primary owns which shard.
+    let owners: Vec<(u8, u16)> = tokio::task::block_in_place(|| {
+        flashsale::stock::Keys::all(activity, shards)
+            .into_iter()
+            .filter_map(|k| cluster.primary_for(&k.stock).map(|p| (k.shard, p)))
+            .collect()
+    });
+    let primaries = tokio::task::block_in_place(|| cluster.primaries());
+    eprintln!(
+        "== cluster: {} units, {} users × {} clicks, stock_shards = {shards}",
+        plan.units, plan.users, plan.clicks
+    );
+    let mut before = Vec::new();
+    for p in &primaries {
+        before.push(counters(&node_url(*p)).await?);
+    }
+    let cpu_before = pid.and_then(machine::process_cpu_s);
+    let load = loadgen::run(load).await?;
+    let service_cpu_s = pid
+        .and_then(machine::process_cpu_s)
+        .zip(cpu_before)
+        .map(|(a, b)| a - b);
+    let mut shares = Vec::new();
+    for (p, b) in primaries.iter().zip(before) {
+        let a = counters(&node_url(*p)).await?;
+        shares.push(PrimaryShare {
+            port: *p,
+            shards: owners
+                .iter()
+                .filter(|(_, o)| o == p)
+                .map(|(s, _)| *s)
+                .collect(),
+            script_calls: a.script_calls.saturating_sub(b.script_calls),
+            cpu_s: a.cpu_s - b.cpu_s,
+        });
+    }
+    Ok(ShardRun {
+        stock_shards: shards,
+        load,
+        primaries: shares,
+        service_cpu_s,
+    })
 }
 
 fn node_url(port: u16) -> String {

@@ -1,21 +1,26 @@
 //! What every section of a comparison shares: the options, the service's settings,
-//! the child binaries, the CPU sampler, the side query and the sale counter.
+//! the child binaries, the CPU sampler, the side query and the sale counter;
+//! started before the first section and stopped after the last.
 
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use flashsale::config::Settings;
+use flashsale::config::{KafkaSettings, Settings};
 use hyper::{Method, StatusCode};
 use secrecy::ExposeSecret;
 use serde_json::json;
+use sqlx::migrate::MigrateDatabase;
+use sqlx::MySql;
+use testkit::invariants::Probe;
 use testkit::sale::SaleSpec;
 
 use crate::client::expect_json;
-use crate::machine::CpuSampler;
+use crate::machine::{self, CpuSampler};
 use crate::options::SuiteOptions;
-use crate::process::{Loadtest, ServerChild};
+use crate::process::{sibling, Loadtest, ServerChild};
 use crate::server::StrategyKind;
 use crate::side::SideQuery;
+use crate::with_database;
 
 pub struct Bench {
     pub opts: SuiteOptions,
@@ -26,22 +31,47 @@ pub struct Bench {
     pub runs_dir: PathBuf,
     pub cpu: CpuSampler,
     pub side: SideQuery,
+    /// The side query's own database, dropped by [`Bench::stop`].
+    side_db: String,
     /// For the test kit's sale set-up and the admin API.
     pub http: reqwest::Client,
     sale_counter: u32,
 }
 
 impl Bench {
-    pub fn new(
-        opts: SuiteOptions,
-        settings: Settings,
-        loadtest: Loadtest,
-        server_bin: PathBuf,
-        runs_dir: PathBuf,
-        cpu: CpuSampler,
-        side: SideQuery,
-    ) -> Bench {
-        Bench {
+    /// Finds the child binaries beside this one, makes `runs/`, starts the CPU
+    /// sampler (Redis, MariaDB and the broker tracked from the start) and the
+    /// side query in a database of its own on the same server.
+    pub async fn start(opts: SuiteOptions, settings: Settings) -> anyhow::Result<Bench> {
+        let loadtest = Loadtest {
+            bin: sibling("loadtest")?,
+            opts: opts.clone(),
+        };
+        let server_bin = sibling("bench-server")?;
+        let runs_dir = opts.out.join("runs");
+        std::fs::create_dir_all(&runs_dir)
+            .with_context(|| format!("failed to create {}", runs_dir.display()))?;
+        let cpu = CpuSampler::start()?;
+        for (role, name) in [
+            ("redis", "redis-server"),
+            ("mariadb", "mariadbd"),
+            ("broker", "tansu"),
+        ] {
+            if let Some(pid) = machine::pids_named(name).into_iter().next() {
+                cpu.track(role, pid);
+            }
+        }
+        // The other business: its own database on the same server.
+        let side_db = format!(
+            "flashsale_bench_side_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        let side_url = with_database(settings.mysql.url.expose_secret(), &side_db);
+        MySql::create_database(&side_url)
+            .await
+            .context("failed to create the side database")?;
+        let side = SideQuery::start(&side_url, opts.side_rate).await?;
+        Ok(Bench {
             opts,
             settings,
             loadtest,
@@ -49,8 +79,20 @@ impl Bench {
             runs_dir,
             cpu,
             side,
+            side_db,
             http: reqwest::Client::new(),
             sale_counter: 0,
+        })
+    }
+
+    /// Stops the side query and the sampler, and drops the side query's
+    /// database (a failure is only reported: the next run drops it).
+    pub async fn stop(self) {
+        self.side.stop();
+        self.cpu.stop();
+        let side_url = with_database(self.settings.mysql.url.expose_secret(), &self.side_db);
+        if let Err(err) = MySql::drop_database(&side_url).await {
+            eprintln!("could not drop {}: {err}", self.side_db);
         }
     }
 
@@ -119,6 +161,22 @@ impl Bench {
             ..SaleSpec::new(u32::try_from(stock).context("stock too large for a sale")?)
         };
         Ok(Some(self.open_service_sale(server, &spec).await?))
+    }
+
+    /// The test kit's invariant checker on one of the service's sales, the
+    /// service's stock in `redis_url`.
+    pub fn probe(&self, server: &ServerChild, redis_url: String, activity: &str) -> Probe {
+        let announce = &server.announce;
+        Probe {
+            mysql_url: with_database(self.settings.mysql.url.expose_secret(), &announce.database),
+            redis_url,
+            activity_id: activity.to_owned(),
+            kafka: KafkaSettings {
+                topic: announce.topic.clone().unwrap_or_default(),
+                group_id: announce.group.clone().unwrap_or_default(),
+                ..self.settings.kafka.clone()
+            },
+        }
     }
 
     /// Opens the service's sale as the test kit describes it; returns its id.

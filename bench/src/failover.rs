@@ -25,21 +25,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use flashsale::auth::Auth;
-use flashsale::config::KafkaSettings;
-use secrecy::ExposeSecret;
 use testkit::availability::{Outage, Sample};
 use testkit::invariants::{Answer, Probe};
 use testkit::process::RedisCluster;
 use testkit::sale::SaleSpec;
 
 use crate::context::Bench;
-use crate::loadgen::{issue_tokens, UserToken};
+use crate::loadgen::{issue_tokens, signer, UserToken};
 use crate::model::{AnswerBucket, FailoverSection, ServerCheck};
 use crate::process::{LoadArgs, ServerChild};
 use crate::report::format::thousands;
 use crate::server::StrategyKind;
-use crate::with_database;
 
 /// Seconds of sale before the kill.
 const BEFORE_S: f64 = 3.0;
@@ -84,21 +80,6 @@ pub async fn section(bench: &mut Bench) -> anyhow::Result<FailoverSection> {
     Ok(section)
 }
 
-/// The test kit's checker on one of the service's sales.
-fn probe(bench: &Bench, server: &ServerChild, redis_url: String, activity: &str) -> Probe {
-    let announce = &server.announce;
-    Probe {
-        mysql_url: with_database(bench.settings.mysql.url.expose_secret(), &announce.database),
-        redis_url,
-        activity_id: activity.to_owned(),
-        kafka: KafkaSettings {
-            topic: announce.topic.clone().unwrap_or_default(),
-            group_id: announce.group.clone().unwrap_or_default(),
-            ..bench.settings.kafka.clone()
-        },
-    }
-}
-
 /// When each step of the fault happened.
 struct Marks {
     killed: Instant,
@@ -110,6 +91,17 @@ struct Marks {
     ended: Instant,
 }
 
+/// The sale to be driven through the fault.
+struct FaultSale {
+    activity: String,
+    /// The key of the sale's stock, whose slot's primary is killed.
+    key: String,
+    primary: u16,
+    url: String,
+    users: Vec<UserToken>,
+    rate: f64,
+}
+
 async fn run(
     bench: &mut Bench,
     nodes: &mut RedisCluster,
@@ -118,8 +110,68 @@ async fn run(
     let opts = bench.opts.clone();
     let units = opts.failover_units;
     let after = Duration::from_secs_f64(opts.failover_after.max(1.0));
+    let measured_rps = measure_rate(bench, nodes, server).await?;
+    let sale = open_fault_sale(bench, nodes, server, measured_rps * RATE_SHARE, after).await?;
+    eprintln!(
+        "== failover: {units} units, {:.0} req/s (half of the measured {measured_rps:.0}), users clicking twice; the primary on {} killed after {BEFORE_S:.0} s",
+        sale.rate, sale.primary
+    );
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs_f64(opts.request_timeout))
+        .build()
+        .context("failed to build the HTTP client")?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let t0 = Instant::now();
+    let driver = tokio::spawn(drive(
+        client,
+        sale.url,
+        sale.users,
+        sale.rate,
+        t0,
+        stop.clone(),
+    ));
+    let marks = fault(nodes, &sale.key, sale.primary, t0, after).await;
+    stop.store(true, Ordering::SeqCst);
+    let samples = driver.await.context("the sale's driver failed")?;
+    let marks = marks?;
+    let last_answer = samples
+        .iter()
+        .map(|s| s.received)
+        .max()
+        .unwrap_or_else(Instant::now);
 
-    // The rate: the service on this Cluster, with its replica barrier.
+    eprintln!("== failover: the sale done, waiting for it to be quiet");
+    let answers: Vec<Answer> = samples.iter().map(|s| s.answer.clone()).collect();
+    let checker = bench.probe(server, nodes.url(), &sale.activity);
+    let quiet = checker
+        .wait_quiet(Duration::from_secs_f64(opts.drain_timeout))
+        .await;
+    let drain_s = quiet.is_ok().then(|| last_answer.elapsed().as_secs_f64());
+    let invariants = match quiet {
+        Err(e) => ServerCheck {
+            ok: false,
+            notes: vec![e],
+        },
+        Ok(()) => check(&checker, &answers).await,
+    };
+    let run = RunFigures {
+        units,
+        measured_rps,
+        measure_connections: opts.concurrency,
+        rate: sale.rate,
+        invariants,
+        drain_s,
+    };
+    Ok(section_of(run, &samples, &marks, t0))
+}
+
+/// The service's rate on this Cluster, with its replica barrier; its orders
+/// written before the sale begins, so the consumer's backlog is not the failover's.
+async fn measure_rate(
+    bench: &mut Bench,
+    nodes: &RedisCluster,
+    server: &ServerChild,
+) -> anyhow::Result<f64> {
     let sku = bench.next_sku(StrategyKind::Service, "failover-rate");
     let activity = bench
         .open_sale(server, &sku, MEASURE_USERS as u64)
@@ -127,7 +179,7 @@ async fn run(
         .context("the service's sale has no id")?;
     eprintln!(
         "== failover: the service's rate on the Cluster (min_replicas_acked = 1), {} connections",
-        opts.concurrency
+        bench.opts.concurrency
     );
     let (measured, _) = bench
         .loadtest
@@ -154,16 +206,24 @@ async fn run(
             crate::report::format::answers(&measured)
         );
     }
-    // Its orders written before the sale begins: the consumer's backlog is not
-    // the failover's.
-    probe(bench, server, nodes.url(), &activity)
-        .wait_quiet(Duration::from_secs_f64(opts.drain_timeout))
+    bench
+        .probe(server, nodes.url(), &activity)
+        .wait_quiet(Duration::from_secs_f64(bench.opts.drain_timeout))
         .await
         .map_err(anyhow::Error::msg)
         .context("the rate measurement's sale never went quiet")?;
+    Ok(measured_rps)
+}
 
-    // The sale.
-    let rate = measured_rps * RATE_SHARE;
+/// Opens the sale of `--failover-units`, finds the primary of its slot and signs
+/// enough users for the whole fault at `rate`.
+async fn open_fault_sale(
+    bench: &mut Bench,
+    nodes: &RedisCluster,
+    server: &ServerChild,
+    rate: f64,
+    after: Duration,
+) -> anyhow::Result<FaultSale> {
     let span = BEFORE_S
         + PROMOTION_WITHIN.as_secs_f64()
         + after.as_secs_f64()
@@ -173,45 +233,75 @@ async fn run(
     let spec = SaleSpec {
         sku: Some(sku.clone()),
         payment_timeout_secs: 3600,
-        ..SaleSpec::new(units)
+        ..SaleSpec::new(bench.opts.failover_units)
     };
     let activity = bench.open_service_sale(server, &spec).await?;
     let key = flashsale::stock::Keys::shard(&activity, 1, 0).stock;
     let primary = tokio::task::block_in_place(|| nodes.primary_for(&key))
         .context("no primary serves the sale's slot")?;
-    let auth = Auth::new(
-        bench.settings.auth.admin_token.clone(),
-        &bench.settings.auth.user_token_secret,
-    )?;
+    let auth = signer(&bench.settings.auth)?;
     let users = issue_tokens(
         &auth,
         &format!("failover-{}-", &activity[..8.min(activity.len())]),
         users_n,
         3600,
     )?;
-    eprintln!(
-        "== failover: {units} units, {rate:.0} req/s (half of the measured {measured_rps:.0}), users clicking twice; the primary on {primary} killed after {BEFORE_S:.0} s"
-    );
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs_f64(opts.request_timeout))
-        .build()
-        .context("failed to build the HTTP client")?;
-    let url = format!("http://{}/flash/{sku}/reserve", server.addr);
-    let stop = Arc::new(AtomicBool::new(false));
-    let t0 = Instant::now();
-    let driver = tokio::spawn(drive(client, url, users, rate, t0, stop.clone()));
-    let marks = fault(nodes, &key, primary, t0, after).await;
-    stop.store(true, Ordering::SeqCst);
-    let samples = driver.await.context("the sale's driver failed")?;
-    let marks = marks?;
-    let last_answer = samples
-        .iter()
-        .map(|s| s.received)
-        .max()
-        .unwrap_or_else(Instant::now);
+    Ok(FaultSale {
+        activity,
+        key,
+        primary,
+        url: format!("http://{}/flash/{sku}/reserve", server.addr),
+        users,
+        rate,
+    })
+}
 
-    let from_kill = Outage::measure(&samples, marks.killed);
-    let from_promotion = Outage::measure(&samples, marks.promoted);
+/// The invariants by the test kit's checker, on a sale already quiet.
+async fn check(checker: &Probe, answers: &[Answer]) -> ServerCheck {
+    match checker.check(answers).await {
+        Ok(f) => {
+            let mut notes = vec![format!(
+                "{} `202`s, each an order; no oversell, one order per user, stock conserved in Redis and MySQL, every answer documented",
+                thousands(f.accepted as f64)
+            )];
+            // One order per user and every 202 an order: the rest are
+            // orders of buyers who never got a 202.
+            let unanswered = f.live_orders + f.cancelled - f.accepted_ordered as i64;
+            if unanswered > 0 {
+                notes.push(format!(
+                    "{unanswered} orders of buyers never answered `202` (their clicks got `503`, no answer or `409 already_reserved`)"
+                ));
+            }
+            notes.push(format!(
+                "live orders {}, failed {}, reservations withdrawn {}",
+                thousands(f.live_orders as f64),
+                f.failed,
+                f.withdrawn
+            ));
+            ServerCheck { ok: true, notes }
+        }
+        Err(e) => ServerCheck {
+            ok: false,
+            notes: e.lines().map(str::to_owned).collect(),
+        },
+    }
+}
+
+/// What the section knows before it reads the answers one by one.
+struct RunFigures {
+    units: u32,
+    measured_rps: f64,
+    measure_connections: usize,
+    rate: f64,
+    invariants: ServerCheck,
+    drain_s: Option<f64>,
+}
+
+/// The section: the run's figures, and what the answers say about the fault
+/// (the gaps, the timeline, the counts).
+fn section_of(run: RunFigures, samples: &[Sample], marks: &Marks, t0: Instant) -> FailoverSection {
+    let from_kill = Outage::measure(samples, marks.killed);
+    let from_promotion = Outage::measure(samples, marks.promoted);
     let after_return: Vec<&Sample> = samples
         .iter()
         .filter(|s| s.sent >= marks.returned)
@@ -222,55 +312,13 @@ async fn run(
     let sent_s = last_sent
         .saturating_duration_since(first_sent)
         .as_secs_f64();
-
-    eprintln!("== failover: the sale done, waiting for it to be quiet");
-    let answers: Vec<Answer> = samples.iter().map(|s| s.answer.clone()).collect();
-    let checker = probe(bench, server, nodes.url(), &activity);
-    let quiet = checker
-        .wait_quiet(Duration::from_secs_f64(opts.drain_timeout))
-        .await;
-    let drain_s = quiet.is_ok().then(|| last_answer.elapsed().as_secs_f64());
-    let invariants = match quiet {
-        Err(e) => ServerCheck {
-            ok: false,
-            notes: vec![e],
-        },
-        Ok(()) => match checker.check(&answers).await {
-            Ok(f) => {
-                let mut notes = vec![format!(
-                    "{} `202`s, each an order; no oversell, one order per user, stock conserved in Redis and MySQL, every answer documented",
-                    thousands(f.accepted as f64)
-                )];
-                // One order per user and every 202 an order: the rest are
-                // orders of buyers who never got a 202.
-                let unanswered = f.live_orders + f.cancelled - f.accepted_ordered as i64;
-                if unanswered > 0 {
-                    notes.push(format!(
-                        "{unanswered} orders of buyers never answered `202` (their clicks got `503`, no answer or `409 already_reserved`)"
-                    ));
-                }
-                notes.push(format!(
-                    "live orders {}, failed {}, reservations withdrawn {}",
-                    thousands(f.live_orders as f64),
-                    f.failed,
-                    f.withdrawn
-                ));
-                ServerCheck { ok: true, notes }
-            }
-            Err(e) => ServerCheck {
-                ok: false,
-                notes: e.lines().map(str::to_owned).collect(),
-            },
-        },
-    };
-
-    Ok(FailoverSection {
-        units,
+    FailoverSection {
+        units: run.units,
         users: samples.len().div_ceil(CLICKS as usize),
         clicks: CLICKS,
-        measured_rps,
-        measure_connections: opts.concurrency,
-        rate,
+        measured_rps: run.measured_rps,
+        measure_connections: run.measure_connections,
+        rate: run.rate,
         rate_share: RATE_SHARE,
         sent: samples.len(),
         sent_rps: if sent_s > 0.0 {
@@ -291,12 +339,12 @@ async fn run(
             .then_some(from_promotion.later_gap.as_secs_f64() * 1000.0),
         sent_after_return: after_return.len(),
         unserved_after_return: after_return.iter().filter(|s| !s.served()).count(),
-        answers: by_code(&samples),
+        answers: by_code(samples),
         bucket_ms: BUCKET.as_millis() as u64,
-        timeline: timeline(&samples, marks.killed),
-        invariants,
-        drain_s,
-    })
+        timeline: timeline(samples, marks.killed),
+        invariants: run.invariants,
+        drain_s: run.drain_s,
+    }
 }
 
 /// The fault while the sale runs: the kill after [`BEFORE_S`], the promotion,
@@ -411,13 +459,8 @@ fn timeline(samples: &[Sample], killed: Instant) -> Vec<AnswerBucket> {
     let step = BUCKET.as_millis() as i64;
     let mut slices: BTreeMap<i64, BTreeMap<String, u64>> = BTreeMap::new();
     for s in samples {
-        let ms = if s.received >= killed {
-            s.received.duration_since(killed).as_millis() as i64
-        } else {
-            -(killed.duration_since(s.received).as_millis() as i64)
-        };
         *slices
-            .entry(ms.div_euclid(step))
+            .entry(s.received_ms_from(killed).div_euclid(step))
             .or_default()
             .entry(status(s))
             .or_insert(0) += 1;

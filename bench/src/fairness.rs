@@ -14,13 +14,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use flashsale::auth::Auth;
 use reqwest::StatusCode;
 use serde_json::Value;
 use testkit::sale::SaleSpec;
 
 use crate::context::Bench;
-use crate::loadgen::{issue_tokens, UserToken};
+use crate::loadgen::{issue_tokens, signer, UserToken};
 use crate::model::{FairnessRun, FairnessSection};
 use crate::process::ServerChild;
 use crate::redis_info;
@@ -42,10 +41,7 @@ struct Outcome {
 pub async fn section(bench: &mut Bench) -> anyhow::Result<FairnessSection> {
     let users = bench.opts.fairness_users;
     let bots = users / 10;
-    let auth = Auth::new(
-        bench.settings.auth.admin_token.clone(),
-        &bench.settings.auth.user_token_secret,
-    )?;
+    let auth = signer(&bench.settings.auth)?;
     let server = bench.start_server(StrategyKind::Service, &[]).await?;
     let mut runs = Vec::new();
     for waiting_room in [false, true] {

@@ -20,7 +20,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use flashsale::auth::Auth;
 use hyper::{Method, StatusCode};
 use serde::Deserialize;
 use testkit::sale::SaleSpec;
@@ -28,7 +27,7 @@ use tokio::process::Command;
 
 use crate::client::call_json;
 use crate::context::Bench;
-use crate::loadgen::{issue_tokens, UserToken};
+use crate::loadgen::{issue_tokens, signer, UserToken};
 use crate::machine;
 use crate::model::{FloodRun, FloodSection};
 use crate::process::ServerChild;
@@ -90,10 +89,7 @@ pub async fn section(bench: &mut Bench) -> anyhow::Result<FloodSection> {
     let wrk = wrk_version().await?;
     let dir = bench.runs_dir.join("flood");
     std::fs::create_dir_all(&dir).with_context(|| format!("failed to create {}", dir.display()))?;
-    let auth = Auth::new(
-        bench.settings.auth.admin_token.clone(),
-        &bench.settings.auth.user_token_secret,
-    )?;
+    let auth = signer(&bench.settings.auth)?;
     let users = bench.opts.small_users;
     let crowd = write_tokens(&dir, "crowd", &issue_tokens(&auth, "flood-", users, 3600)?)?;
     // More winners than a run can serve at the broker's pace: each request is a
@@ -142,28 +138,24 @@ async fn phases(
     winning: &Path,
     winners: usize,
 ) -> anyhow::Result<Vec<FloodRun>> {
+    let mut runs = compared_phases(bench, noop, service, crowd, winning).await?;
+    runs.extend(room_phases(bench, service, crowd).await?);
+    runs.push(winning_phase(bench, service, winning, winners).await?);
+    Ok(runs)
+}
+
+/// The no-op, `/healthz`, the sold-out sale and the sale not yet open, taking
+/// turns round after round; the median round of each.
+async fn compared_phases(
+    bench: &mut Bench,
+    noop: &ServerChild,
+    service: &ServerChild,
+    crowd: &Path,
+    winning: &Path,
+) -> anyhow::Result<Vec<FloodRun>> {
     let noop_sku = bench.next_sku(StrategyKind::Noop, "flood");
     bench.open_sale(noop, &noop_sku, 1_000_000).await?;
-
-    // Sold out: one unit, bought before the flood.
-    let sold = SaleSpec {
-        sku: Some(bench.next_sku(StrategyKind::Service, "flood-sold-out")),
-        ..SaleSpec::new(1)
-    };
-    bench.open_service_sale(service, &sold).await?;
-    let sold_sku = sold.sku.clone().unwrap_or_default();
-    let buyer = first_token(winning)?;
-    let (status, body) = call_json(
-        service.addr,
-        Method::POST,
-        &format!("/flash/{sold_sku}/reserve"),
-        Some(&buyer),
-        None,
-    )
-    .await?;
-    if status != StatusCode::ACCEPTED {
-        bail!("the sold-out sale's one unit was not sold: {status} {body}");
-    }
+    let sold_sku = sold_out_sale(bench, service, winning).await?;
     let upcoming = SaleSpec {
         sku: Some(bench.next_sku(StrategyKind::Service, "flood-upcoming")),
         starts_in_secs: 1800,
@@ -216,10 +208,44 @@ async fn phases(
             measured[i].push(measure(bench, target).await?);
         }
     }
-    let mut runs: Vec<FloodRun> = measured.into_iter().map(median_round).collect();
+    Ok(measured.into_iter().map(median_round).collect())
+}
 
-    // A waiting room five minutes before its start: the crowd joins, then asks
-    // where it stands (each user their own token).
+/// A sale of one unit, bought (by the first winner's token) before the flood.
+/// Returns its SKU.
+async fn sold_out_sale(
+    bench: &mut Bench,
+    service: &ServerChild,
+    winning: &Path,
+) -> anyhow::Result<String> {
+    let sold = SaleSpec {
+        sku: Some(bench.next_sku(StrategyKind::Service, "flood-sold-out")),
+        ..SaleSpec::new(1)
+    };
+    bench.open_service_sale(service, &sold).await?;
+    let sold_sku = sold.sku.clone().unwrap_or_default();
+    let buyer = first_token(winning)?;
+    let (status, body) = call_json(
+        service.addr,
+        Method::POST,
+        &format!("/flash/{sold_sku}/reserve"),
+        Some(&buyer),
+        None,
+    )
+    .await?;
+    if status != StatusCode::ACCEPTED {
+        bail!("the sold-out sale's one unit was not sold: {status} {body}");
+    }
+    Ok(sold_sku)
+}
+
+/// A waiting room five minutes before its start: the crowd joins, then asks
+/// where it stands (each user their own token).
+async fn room_phases(
+    bench: &mut Bench,
+    service: &ServerChild,
+    crowd: &Path,
+) -> anyhow::Result<Vec<FloodRun>> {
     let room = SaleSpec {
         sku: Some(bench.next_sku(StrategyKind::Service, "flood-room")),
         starts_in_secs: 300,
@@ -228,6 +254,7 @@ async fn phases(
     };
     bench.open_service_sale(service, &room).await?;
     let queue = format!("/flash/{}/queue", room.sku.as_deref().unwrap_or_default());
+    let mut runs = Vec::new();
     for (phase, method, expected) in [
         ("waiting room: join", Method::POST, "201"),
         ("waiting room: where do I stand", Method::GET, "200"),
@@ -242,7 +269,16 @@ async fn phases(
         };
         runs.push(measure(bench, &target).await?);
     }
+    Ok(runs)
+}
 
+/// A sale with a unit for every winner: each request a `202`.
+async fn winning_phase(
+    bench: &mut Bench,
+    service: &ServerChild,
+    winning: &Path,
+    winners: usize,
+) -> anyhow::Result<FloodRun> {
     let open = SaleSpec {
         sku: Some(bench.next_sku(StrategyKind::Service, "flood-winning")),
         payment_timeout_secs: 3600,
@@ -257,8 +293,7 @@ async fn phases(
         tokens: Some(winning),
         expected: "202",
     };
-    runs.push(measure(bench, &target).await?);
-    Ok(runs)
+    measure(bench, &target).await
 }
 
 /// The round with the median throughput, every round's throughput beside it.

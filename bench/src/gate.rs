@@ -17,11 +17,12 @@ use serde_json::json;
 use testkit::sale::SaleSpec;
 
 use crate::client::{call_json, expect_json};
+use crate::clock::now_unix_ms;
 use crate::context::Bench;
+use crate::loadgen::LoadReport;
 use crate::model::GateSection;
 use crate::process::{LoadArgs, ServerChild};
 use crate::server::StrategyKind;
-use crate::suite::now_unix_ms;
 
 /// Seconds of the flood; the units come back about halfway.
 const FLOOD_S: f64 = 4.0;
@@ -72,23 +73,12 @@ async fn measure(
         bench
             .loadtest
             .spawn(first.addr, &args, bench.runs_dir.join("gate-flood.json"))?;
-    // Sold out, seen from the first instance, and a few rechecks later its gate
-    // is surely shut.
-    let status_path = format!("/flash/{sku}");
-    let sold_out = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let (_, body) = call_json(first.addr, Method::GET, &status_path, None, None).await?;
-            if body["state"] == "sold_out" {
-                return anyhow::Ok(());
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
-    if !matches!(sold_out, Ok(Ok(()))) {
+    if !sold_out(first, &sku).await {
         running.finish().await.ok();
         bail!("the gate's sale never sold out");
     }
+    // A few rechecks after the sale sold out, the first instance's gate is
+    // surely shut.
     tokio::time::sleep(Duration::from_millis(
         flashsale::stock::SOLD_OUT_RECHECK.as_millis() as u64 * 4,
     ))
@@ -105,6 +95,27 @@ async fn measure(
     .context("the top-up through the second instance failed")?;
     let returned_unix_ms = now_unix_ms();
     let flood = running.finish().await?;
+    Ok(after_return(units, flood, returned_unix_ms))
+}
+
+/// Whether the first instance says the sale is sold out within 30 s.
+async fn sold_out(first: &ServerChild, sku: &str) -> bool {
+    let status_path = format!("/flash/{sku}");
+    let sold_out = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let (_, body) = call_json(first.addr, Method::GET, &status_path, None, None).await?;
+            if body["state"] == "sold_out" {
+                return anyhow::Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    matches!(sold_out, Ok(Ok(())))
+}
+
+/// The flood's `202`s after the units came back, timed from the top-up's answer.
+fn after_return(units: u32, flood: LoadReport, returned_unix_ms: f64) -> GateSection {
     // With no warm-up, the window opens when the load starts.
     let returned_at_ms = returned_unix_ms - flood.window_start_unix_ms;
     let accepts_after_return_ms: Vec<f64> = flood
@@ -121,12 +132,12 @@ async fn measure(
         .rev()
         .find(|p| p.t_s * 1000.0 <= last_accept_ms)
         .map_or(0, |p| flood.answered.saturating_sub(p.answered));
-    Ok(GateSection {
+    GateSection {
         units,
         recheck_ms: flashsale::stock::SOLD_OUT_RECHECK.as_millis() as u64,
         flood,
         returned_at_ms,
         accepts_after_return_ms,
         answered_after_last_accept,
-    })
+    }
 }

@@ -11,6 +11,8 @@
 //! - [`server`]: the strategies (`mysql`, `redis-decr`, `redis-lock`, `noop`) behind
 //!   the service's own auth and protection layers, and the real service (`service`);
 //! - [`side`]: the "other business" sharing the database, a point query at a fixed rate;
+//! - [`clock`]: wall-clock milliseconds, the scale on which every process's samples
+//!   meet;
 //! - [`machine`] and [`redis_info`]: what the machine is, where its CPU went, and
 //!   Redis's own counters;
 //! - [`options`] and [`model`]: what a comparison is asked to do, and what it
@@ -25,6 +27,7 @@
 
 pub mod ceiling;
 pub mod client;
+pub mod clock;
 pub mod cluster;
 pub mod context;
 pub mod failover;

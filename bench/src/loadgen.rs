@@ -25,23 +25,32 @@ use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use flashsale::auth::Auth;
+use flashsale::config::AuthSettings;
 use hdrhistogram::Histogram;
 use hyper::header::HeaderValue;
 use hyper::{Method, StatusCode};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
 
 use crate::client::{error_code, Conn};
+use crate::clock::unix_ms;
 
 /// One simulated user and the `Authorization` header its requests carry.
 #[derive(Clone)]
 pub struct UserToken {
     pub id: String,
     pub authorization: HeaderValue,
+}
+
+/// The service's own token signer, from its settings: the tokens it signs are the
+/// ones the server under test accepts.
+pub fn signer(auth: &AuthSettings) -> anyhow::Result<Auth> {
+    Auth::new(auth.admin_token.clone(), &auth.user_token_secret)
 }
 
 /// Signs `n` user tokens (`{prefix}{i}`), spread over the machine's cores: a few
@@ -246,12 +255,6 @@ pub struct LoadReport {
     pub sale: SaleCheck,
 }
 
-fn unix_ms(t: SystemTime) -> f64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64() * 1000.0)
-        .unwrap_or(0.0)
-}
-
 /// State the workers share: the next request number and the per-user win counts.
 struct Shared {
     next: AtomicU64,
@@ -278,6 +281,30 @@ struct WorkerOut {
 }
 
 impl WorkerOut {
+    fn new() -> anyhow::Result<WorkerOut> {
+        Ok(WorkerOut {
+            hist: new_histogram()?,
+            codes: Vec::new(),
+            errors: BTreeMap::new(),
+            started: 0,
+            measured: 0,
+            late_starts: 0,
+            last_done: None,
+        })
+    }
+
+    /// A request without an HTTP answer, by kind.
+    fn error(&mut self, kind: &str) {
+        *self.errors.entry(kind.to_owned()).or_insert(0) += 1;
+    }
+
+    /// The latency of an answer to a request started inside the window.
+    fn time(&mut self, latency: Duration) {
+        let us = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        self.hist.saturating_record(us.max(1));
+        self.measured += 1;
+    }
+
     fn count(&mut self, status: StatusCode, body: &[u8]) {
         let code = if status == StatusCode::ACCEPTED {
             ""
@@ -309,6 +336,79 @@ fn shuffled(n: usize, seed: u64) -> Vec<u32> {
 
 /// Runs the plan and returns what it measured.
 pub async fn run(plan: Plan) -> anyhow::Result<LoadReport> {
+    check_plan(&plan)?;
+    let clicks = u64::from(plan.clicks);
+    let planned = plan.users.len() as u64 * clicks;
+
+    // Connections first, so the measured run does not include TCP set-up.
+    let conns = connect_all(plan.addr, plan.connections).await?;
+
+    let shared = Arc::new(Shared::new(plan.users.len(), plan.order, planned));
+    let users: Arc<Vec<UserToken>> = Arc::new(plan.users);
+    let bar = progress_bar(plan.progress, planned, &plan.label)?;
+
+    let t0 = Instant::now();
+    let wall0 = SystemTime::now();
+    let measure_from = t0 + plan.warmup;
+    let run = Arc::new(RunContext {
+        addr: plan.addr,
+        shared: shared.clone(),
+        users: users.clone(),
+        path: format!("/flash/{}/reserve", plan.sku),
+        clicks,
+        planned,
+        rate: plan.rate,
+        timeout: plan.request_timeout,
+        t0,
+        measure_from,
+        deadline: t0 + plan.max_duration,
+    });
+    let (outs, timeline) = drive(conns, run, bar).await?;
+
+    let merged = Merged::of(outs, measure_from)?;
+    let window = merged.last_done.saturating_duration_since(measure_from);
+    let window_s = window.as_secs_f64();
+    let wall_start = wall0 + plan.warmup;
+    let sale = shared.sale_check(plan.units, &merged.codes);
+
+    Ok(LoadReport {
+        label: plan.label,
+        sku: plan.sku,
+        mode: if plan.rate.is_some() {
+            "rate"
+        } else {
+            "concurrency"
+        }
+        .into(),
+        connections: plan.connections,
+        target_rate: plan.rate,
+        users: users.len(),
+        clicks: plan.clicks,
+        order: plan.order,
+        planned,
+        started: merged.started,
+        answered: shared.answered.load(Ordering::Relaxed),
+        codes: merged.codes,
+        errors: merged.errors,
+        window_start_unix_ms: unix_ms(wall_start),
+        window_end_unix_ms: unix_ms(wall_start + window),
+        window_s,
+        measured: merged.measured,
+        throughput_rps: if window_s > 0.0 {
+            merged.measured as f64 / window_s
+        } else {
+            0.0
+        },
+        latency: Latency::of(&merged.hist),
+        cdf: cdf_points(&merged.hist),
+        late_starts: merged.late_starts,
+        timeline,
+        sale,
+    })
+}
+
+/// A plan that cannot run says why before any connection is opened.
+fn check_plan(plan: &Plan) -> anyhow::Result<()> {
     anyhow::ensure!(!plan.users.is_empty(), "at least one user is needed");
     anyhow::ensure!(plan.clicks >= 1, "at least one click per user is needed");
     anyhow::ensure!(plan.connections >= 1, "at least one connection is needed");
@@ -319,210 +419,213 @@ pub async fn run(plan: Plan) -> anyhow::Result<LoadReport> {
     if let Some(rate) = plan.rate {
         anyhow::ensure!(rate > 0.0, "the rate must be positive");
     }
-    let clicks = u64::from(plan.clicks);
-    let planned = plan.users.len() as u64 * clicks;
-    let path = format!("/flash/{}/reserve", plan.sku);
+    Ok(())
+}
 
-    // Connections first, so the measured run does not include TCP set-up.
-    let mut conns = Vec::with_capacity(plan.connections);
-    for _ in 0..plan.connections {
-        conns.push(Conn::connect(plan.addr).await?);
-    }
-
-    let shared = Arc::new(Shared {
-        next: AtomicU64::new(0),
-        answered: AtomicU64::new(0),
-        accepted: AtomicU64::new(0),
-        last_accept_us: AtomicU64::new(0),
-        accept_log: std::sync::Mutex::new(Vec::new()),
-        wins: (0..plan.users.len()).map(|_| AtomicU32::new(0)).collect(),
-        permutation: match plan.order {
-            ClickOrder::Adjacent => Vec::new(),
-            ClickOrder::Shuffled => shuffled(planned as usize, 0x5EED),
-        },
-    });
-    let users: Arc<Vec<UserToken>> = Arc::new(plan.users);
-
-    let bar = if plan.progress && std::io::stderr().is_terminal() {
-        let bar = ProgressBar::new(planned);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{spinner} {msg} [{elapsed_precise}] {wide_bar} {pos}/{len} {per_sec}",
-            )
-            .context("bad progress template")?,
-        );
-        bar.set_message(plan.label.clone());
-        bar
-    } else {
-        ProgressBar::hidden()
-    };
-
-    let t0 = Instant::now();
-    let wall0 = SystemTime::now();
-    let measure_from = t0 + plan.warmup;
-    let deadline = t0 + plan.max_duration;
-
-    let run = Arc::new(RunContext {
-        addr: plan.addr,
-        shared: shared.clone(),
-        users: users.clone(),
-        path,
-        clicks,
-        planned,
-        rate: plan.rate,
-        timeout: plan.request_timeout,
-        t0,
-        measure_from,
-        deadline,
-    });
-    let mut workers = Vec::with_capacity(conns.len());
-    for conn in conns {
-        workers.push(tokio::spawn(worker(conn, run.clone())));
-    }
-
-    // Progress and the timeline: one sample every 100 ms, off the request path.
-    let stop_ticker = tokio_util::sync::CancellationToken::new();
-    let ticker = {
-        let shared = shared.clone();
-        let bar = bar.clone();
-        let stop = stop_ticker.clone();
-        tokio::spawn(async move {
-            let mut points = Vec::new();
-            let mut tick = tokio::time::interval(Duration::from_millis(100));
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return points,
-                    _ = tick.tick() => {}
-                }
-                let answered = shared.answered.load(Ordering::Relaxed);
-                bar.set_position(answered);
-                points.push(TimelinePoint {
-                    t_s: t0.elapsed().as_secs_f64(),
-                    answered,
-                    accepted: shared.accepted.load(Ordering::Relaxed),
-                });
-            }
-        })
-    };
-
+/// One worker a connection, and the ticker beside them, until every worker is done.
+async fn drive(
+    conns: Vec<Conn>,
+    run: Arc<RunContext>,
+    bar: ProgressBar,
+) -> anyhow::Result<(Vec<WorkerOut>, Vec<TimelinePoint>)> {
+    let workers: Vec<_> = conns
+        .into_iter()
+        .map(|conn| tokio::spawn(worker(conn, run.clone())))
+        .collect();
+    let ticker = Ticker::start(run.shared.clone(), bar.clone(), run.t0);
     let mut outs = Vec::with_capacity(workers.len());
     for w in workers {
         outs.push(w.await.context("a worker task failed")??);
     }
-    stop_ticker.cancel();
-    let mut timeline = ticker.await.context("the progress task failed")?;
-    timeline.push(TimelinePoint {
-        t_s: t0.elapsed().as_secs_f64(),
-        answered: shared.answered.load(Ordering::Relaxed),
-        accepted: shared.accepted.load(Ordering::Relaxed),
-    });
+    let timeline = ticker.finish().await?;
     bar.finish_and_clear();
+    Ok((outs, timeline))
+}
 
-    // Merge what the workers measured.
-    let mut hist = new_histogram()?;
-    let mut codes = BTreeMap::new();
-    let mut errors = BTreeMap::new();
-    let (mut started, mut measured, mut late_starts) = (0, 0, 0);
-    let mut last_done = measure_from;
-    for out in outs {
-        hist.add(&out.hist).context("histograms differ in bounds")?;
-        for (status, code, n) in out.codes {
-            let label = if code.is_empty() {
-                status.to_string()
-            } else {
-                format!("{status} {code}")
-            };
-            *codes.entry(label).or_insert(0) += n;
-        }
-        for (kind, n) in out.errors {
-            *errors.entry(kind).or_insert(0) += n;
-        }
-        started += out.started;
-        measured += out.measured;
-        late_starts += out.late_starts;
-        if let Some(done) = out.last_done {
-            last_done = last_done.max(done);
+async fn connect_all(addr: SocketAddr, n: usize) -> anyhow::Result<Vec<Conn>> {
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        conns.push(Conn::connect(addr).await?);
+    }
+    Ok(conns)
+}
+
+/// A progress bar on a terminal that asked for one; a hidden one otherwise.
+fn progress_bar(wanted: bool, planned: u64, label: &str) -> anyhow::Result<ProgressBar> {
+    if !wanted || !std::io::stderr().is_terminal() {
+        return Ok(ProgressBar::hidden());
+    }
+    let bar = ProgressBar::new(planned);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} {msg} [{elapsed_precise}] {wide_bar} {pos}/{len} {per_sec}",
+        )
+        .context("bad progress template")?,
+    );
+    bar.set_message(label.to_owned());
+    Ok(bar)
+}
+
+/// Progress and the timeline: one sample every 100 ms, off the request path.
+struct Ticker {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<Vec<TimelinePoint>>,
+    shared: Arc<Shared>,
+    t0: Instant,
+}
+
+impl Ticker {
+    fn start(shared: Arc<Shared>, bar: ProgressBar, t0: Instant) -> Ticker {
+        let stop = CancellationToken::new();
+        let task = {
+            let shared = shared.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut points = Vec::new();
+                let mut tick = tokio::time::interval(Duration::from_millis(100));
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return points,
+                        _ = tick.tick() => {}
+                    }
+                    let point = shared.point(t0);
+                    bar.set_position(point.answered);
+                    points.push(point);
+                }
+            })
+        };
+        Ticker {
+            stop,
+            task,
+            shared,
+            t0,
         }
     }
-    let window = last_done.saturating_duration_since(measure_from);
-    let window_s = window.as_secs_f64();
-    let wall_start = wall0 + plan.warmup;
 
-    // The invariants, from the clients' side.
-    let accepted = shared.accepted.load(Ordering::Relaxed);
-    let mut winners = 0;
-    let mut several = 0;
-    let mut most = 0;
-    for w in &shared.wins {
-        let w = w.load(Ordering::Relaxed);
-        if w >= 1 {
-            winners += 1;
-        }
-        if w >= 2 {
-            several += 1;
-        }
-        most = most.max(w);
+    /// Stops the samples and closes the timeline with the final counts.
+    async fn finish(self) -> anyhow::Result<Vec<TimelinePoint>> {
+        self.stop.cancel();
+        let mut timeline = self.task.await.context("the progress task failed")?;
+        timeline.push(self.shared.point(self.t0));
+        Ok(timeline)
     }
-    let sold_out = codes.contains_key("409 sold_out");
-    let last_accept_us = shared.last_accept_us.load(Ordering::Relaxed);
-    let sale = SaleCheck {
-        units: plan.units,
-        accepted,
-        winners,
-        users_with_several_wins: several,
-        most_wins_of_one_user: most,
-        sold_out,
-        last_accept_after_s: (accepted > 0).then(|| last_accept_us as f64 / 1e6),
-        winners_equal_units: plan
-            .units
-            .filter(|_| sold_out)
-            .map(|u| winners == u && accepted == u),
-        no_oversell: plan.units.map(|u| accepted <= u),
-        no_user_twice: several == 0,
-        accept_times_ms: {
-            let mut log = shared
-                .accept_log
-                .lock()
-                .map(|l| l.clone())
-                .unwrap_or_default();
-            log.sort_unstable();
-            log.into_iter().map(|us| us as f64 / 1000.0).collect()
-        },
-    };
+}
 
-    Ok(LoadReport {
-        label: plan.label,
-        sku: plan.sku,
-        mode: if plan.rate.is_some() {
-            "rate".into()
-        } else {
-            "concurrency".into()
-        },
-        connections: plan.connections,
-        target_rate: plan.rate,
-        users: users.len(),
-        clicks: plan.clicks,
-        order: plan.order,
-        planned,
-        started,
-        answered: shared.answered.load(Ordering::Relaxed),
-        codes,
-        errors,
-        window_start_unix_ms: unix_ms(wall_start),
-        window_end_unix_ms: unix_ms(wall_start + window),
-        window_s,
-        measured,
-        throughput_rps: if window_s > 0.0 {
-            measured as f64 / window_s
-        } else {
-            0.0
-        },
-        latency: Latency::of(&hist),
-        cdf: cdf_points(&hist),
-        late_starts,
-        timeline,
-        sale,
-    })
+/// What the workers measured, added up.
+struct Merged {
+    hist: Histogram<u64>,
+    codes: BTreeMap<String, u64>,
+    errors: BTreeMap<String, u64>,
+    started: u64,
+    measured: u64,
+    late_starts: u64,
+    /// The latest answer, or the end of the warm-up when none came after it.
+    last_done: Instant,
+}
+
+impl Merged {
+    fn of(outs: Vec<WorkerOut>, measure_from: Instant) -> anyhow::Result<Merged> {
+        let mut m = Merged {
+            hist: new_histogram()?,
+            codes: BTreeMap::new(),
+            errors: BTreeMap::new(),
+            started: 0,
+            measured: 0,
+            late_starts: 0,
+            last_done: measure_from,
+        };
+        for out in outs {
+            m.hist
+                .add(&out.hist)
+                .context("histograms differ in bounds")?;
+            for (status, code, n) in out.codes {
+                let label = if code.is_empty() {
+                    status.to_string()
+                } else {
+                    format!("{status} {code}")
+                };
+                *m.codes.entry(label).or_insert(0) += n;
+            }
+            for (kind, n) in out.errors {
+                *m.errors.entry(kind).or_insert(0) += n;
+            }
+            m.started += out.started;
+            m.measured += out.measured;
+            m.late_starts += out.late_starts;
+            if let Some(done) = out.last_done {
+                m.last_done = m.last_done.max(done);
+            }
+        }
+        Ok(m)
+    }
+}
+
+impl Shared {
+    fn new(users: usize, order: ClickOrder, planned: u64) -> Shared {
+        Shared {
+            next: AtomicU64::new(0),
+            answered: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
+            last_accept_us: AtomicU64::new(0),
+            accept_log: std::sync::Mutex::new(Vec::new()),
+            wins: (0..users).map(|_| AtomicU32::new(0)).collect(),
+            permutation: match order {
+                ClickOrder::Adjacent => Vec::new(),
+                ClickOrder::Shuffled => shuffled(planned as usize, 0x5EED),
+            },
+        }
+    }
+
+    fn point(&self, t0: Instant) -> TimelinePoint {
+        TimelinePoint {
+            t_s: t0.elapsed().as_secs_f64(),
+            answered: self.answered.load(Ordering::Relaxed),
+            accepted: self.accepted.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The invariants, from the clients' side.
+    fn sale_check(&self, units: Option<u64>, codes: &BTreeMap<String, u64>) -> SaleCheck {
+        let accepted = self.accepted.load(Ordering::Relaxed);
+        let mut winners = 0;
+        let mut several = 0;
+        let mut most = 0;
+        for w in &self.wins {
+            let w = w.load(Ordering::Relaxed);
+            if w >= 1 {
+                winners += 1;
+            }
+            if w >= 2 {
+                several += 1;
+            }
+            most = most.max(w);
+        }
+        let sold_out = codes.contains_key("409 sold_out");
+        let last_accept_us = self.last_accept_us.load(Ordering::Relaxed);
+        SaleCheck {
+            units,
+            accepted,
+            winners,
+            users_with_several_wins: several,
+            most_wins_of_one_user: most,
+            sold_out,
+            last_accept_after_s: (accepted > 0).then(|| last_accept_us as f64 / 1e6),
+            winners_equal_units: units
+                .filter(|_| sold_out)
+                .map(|u| winners == u && accepted == u),
+            no_oversell: units.map(|u| accepted <= u),
+            no_user_twice: several == 0,
+            accept_times_ms: {
+                let mut log = self
+                    .accept_log
+                    .lock()
+                    .map(|l| l.clone())
+                    .unwrap_or_default();
+                log.sort_unstable();
+                log.into_iter().map(|us| us as f64 / 1000.0).collect()
+            },
+        }
+    }
 }
 
 /// What every connection's loop shares for one run.
@@ -561,6 +664,20 @@ impl RunContext {
         Some((due, now - due > Duration::from_millis(1)))
     }
 
+    /// A `202` for `user`, answered at `done`: its win, and when it came.
+    fn accepted(&self, user: usize, done: Instant) {
+        let shared = &self.shared;
+        shared.wins[user].fetch_add(1, Ordering::Relaxed);
+        let n = shared.accepted.fetch_add(1, Ordering::Relaxed);
+        let us = u64::try_from((done - self.t0).as_micros()).unwrap_or(u64::MAX);
+        shared.last_accept_us.fetch_max(us, Ordering::Relaxed);
+        if n < ACCEPT_LOG_CAP {
+            if let Ok(mut log) = shared.accept_log.lock() {
+                log.push(us);
+            }
+        }
+    }
+
     /// The user who sends request `i`.
     fn user_of(&self, i: u64) -> usize {
         (match self.shared.permutation.get(i as usize) {
@@ -573,15 +690,7 @@ impl RunContext {
 /// One connection's loop: take the next request number, send it, time it, count it.
 async fn worker(conn: Conn, run: Arc<RunContext>) -> anyhow::Result<WorkerOut> {
     let shared = &run.shared;
-    let mut out = WorkerOut {
-        hist: new_histogram()?,
-        codes: Vec::new(),
-        errors: BTreeMap::new(),
-        started: 0,
-        measured: 0,
-        late_starts: 0,
-        last_done: None,
-    };
+    let mut out = WorkerOut::new()?;
     let mut conn = Some(conn);
     loop {
         let i = shared.next.fetch_add(1, Ordering::Relaxed);
@@ -605,7 +714,7 @@ async fn worker(conn: Conn, run: Arc<RunContext>) -> anyhow::Result<WorkerOut> {
             match Conn::connect(run.addr).await {
                 Ok(c) => conn = Some(c),
                 Err(_) => {
-                    *out.errors.entry("connect".into()).or_insert(0) += 1;
+                    out.error("connect");
                     // A server that refuses connections would otherwise be spun on.
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
@@ -628,31 +737,21 @@ async fn worker(conn: Conn, run: Arc<RunContext>) -> anyhow::Result<WorkerOut> {
             Ok(Ok((status, body))) => {
                 out.count(status, &body);
                 if status == StatusCode::ACCEPTED {
-                    shared.wins[user].fetch_add(1, Ordering::Relaxed);
-                    let n = shared.accepted.fetch_add(1, Ordering::Relaxed);
-                    let us = u64::try_from((done - run.t0).as_micros()).unwrap_or(u64::MAX);
-                    shared.last_accept_us.fetch_max(us, Ordering::Relaxed);
-                    if n < ACCEPT_LOG_CAP {
-                        if let Ok(mut log) = shared.accept_log.lock() {
-                            log.push(us);
-                        }
-                    }
+                    run.accepted(user, done);
                 }
                 if start >= run.measure_from {
-                    let us = u64::try_from((done - start).as_micros()).unwrap_or(u64::MAX);
-                    out.hist.saturating_record(us.max(1));
-                    out.measured += 1;
+                    out.time(done - start);
                 }
                 shared.answered.fetch_add(1, Ordering::Relaxed);
                 out.last_done = Some(done);
             }
             Ok(Err(_)) => {
-                *out.errors.entry("io".into()).or_insert(0) += 1;
+                out.error("io");
                 conn = None;
             }
             Err(_) => {
                 // The answer may still arrive on this socket: start a new one.
-                *out.errors.entry("timeout".into()).or_insert(0) += 1;
+                out.error("timeout");
                 conn = None;
             }
         }
@@ -686,19 +785,9 @@ impl LoadReport {
             "  latency ms: p50 {:.3}  p90 {:.3}  p99 {:.3}  p99.9 {:.3}  max {:.3}\n",
             l.p50_ms, l.p90_ms, l.p99_ms, l.p999_ms, l.max_ms
         ));
-        let codes: Vec<String> = self
-            .codes
-            .iter()
-            .map(|(k, v)| format!("{k}: {v}"))
-            .collect();
-        s.push_str(&format!("  answers: {}\n", codes.join(", ")));
+        s.push_str(&format!("  answers: {}\n", counts(&self.codes)));
         if !self.errors.is_empty() {
-            let errs: Vec<String> = self
-                .errors
-                .iter()
-                .map(|(k, v)| format!("{k}: {v}"))
-                .collect();
-            s.push_str(&format!("  errors: {}\n", errs.join(", ")));
+            s.push_str(&format!("  errors: {}\n", counts(&self.errors)));
         }
         if self.late_starts > 0 {
             s.push_str(&format!(
@@ -724,6 +813,15 @@ impl LoadReport {
         ));
         s
     }
+}
+
+/// `kind: count, …`, in the map's order.
+fn counts(by_kind: &BTreeMap<String, u64>) -> String {
+    by_kind
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(test)]

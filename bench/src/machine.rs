@@ -12,10 +12,12 @@ use std::fs;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
+
+use crate::clock::now_unix_ms;
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Machine {
@@ -240,13 +242,6 @@ pub struct CpuSampler {
     thread: Option<JoinHandle<()>>,
     ticks_per_second: f64,
     cpus: usize,
-}
-
-fn now_unix_ms() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64() * 1000.0)
-        .unwrap_or(0.0)
 }
 
 impl CpuSampler {

@@ -1,5 +1,9 @@
-//! Counters read from a Redis node's `INFO`: commands, script calls and CPU
-//! seconds, read before and after a run to charge them to it.
+//! What a Redis node says of itself in `INFO`: its version, and the counters
+//! (commands, script calls, CPU seconds) read before and after a run to charge
+//! them to it.
+
+use anyhow::Context;
+use redis::aio::MultiplexedConnection;
 
 /// Counters read from one node.
 #[derive(Debug, Clone, Copy, Default)]
@@ -12,19 +16,34 @@ pub struct Counters {
     pub commands: u64,
 }
 
+async fn connect(url: &str) -> anyhow::Result<MultiplexedConnection> {
+    let client = redis::Client::open(url)?;
+    Ok(client.get_multiplexed_async_connection().await?)
+}
+
+async fn info(conn: &mut MultiplexedConnection, section: &str) -> anyhow::Result<String> {
+    Ok(redis::cmd("INFO").arg(section).query_async(conn).await?)
+}
+
+/// The version of the Redis at `url`.
+pub async fn version(url: &str) -> anyhow::Result<String> {
+    let mut conn = connect(url)
+        .await
+        .context("failed to connect to Redis (run scripts/services.sh)")?;
+    Ok(info(&mut conn, "server")
+        .await?
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .map(|v| v.trim().to_owned())
+        .unwrap_or_default())
+}
+
 /// The counters of the node at `url`.
 pub async fn counters(url: &str) -> anyhow::Result<Counters> {
-    let client = redis::Client::open(url)?;
-    let mut conn = client.get_multiplexed_async_connection().await?;
-    let stats: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await?;
-    let cpu: String = redis::cmd("INFO").arg("cpu").query_async(&mut conn).await?;
-    let totals: String = redis::cmd("INFO")
-        .arg("stats")
-        .query_async(&mut conn)
-        .await?;
+    let mut conn = connect(url).await?;
+    let stats = info(&mut conn, "commandstats").await?;
+    let cpu = info(&mut conn, "cpu").await?;
+    let totals = info(&mut conn, "stats").await?;
     let calls = |name: &str| -> u64 {
         stats
             .lines()

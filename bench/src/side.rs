@@ -10,7 +10,7 @@
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
@@ -18,6 +18,7 @@ use sqlx::mysql::MySqlPoolOptions;
 use sqlx::MySqlPool;
 use tokio_util::sync::CancellationToken;
 
+use crate::clock::now_unix_ms;
 use crate::loadgen::{cdf_points, new_histogram, Latency};
 
 const ROWS: i64 = 10_000;
@@ -161,13 +162,6 @@ impl SideQuery {
             let _ = t.join();
         }
     }
-}
-
-fn now_unix_ms() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64() * 1000.0)
-        .unwrap_or(0.0)
 }
 
 async fn run(

@@ -5,11 +5,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use flashsale::config::KafkaSettings;
 use hyper::{Method, StatusCode};
-use secrecy::ExposeSecret;
 use serde_json::Value;
-use testkit::invariants::Probe;
 
 use crate::client::{call_json, expect_json};
 use crate::context::Bench;
@@ -19,7 +16,6 @@ use crate::model::{Phase, ServerCheck, StrategyResult};
 use crate::process::{LoadArgs, ServerChild};
 use crate::server::StrategyKind;
 use crate::verdict::{check_service, check_strategy};
-use crate::with_database;
 
 impl Bench {
     /// Measures one strategy; a failure is recorded in the result, not raised.
@@ -182,17 +178,7 @@ impl Bench {
         activity: &str,
         load: &LoadReport,
     ) -> anyhow::Result<(Value, ServerCheck, Option<f64>)> {
-        let announce = &server.announce;
-        let probe = Probe {
-            mysql_url: with_database(self.settings.mysql.url.expose_secret(), &announce.database),
-            redis_url: self.settings.redis.url.clone(),
-            activity_id: activity.to_owned(),
-            kafka: KafkaSettings {
-                topic: announce.topic.clone().unwrap_or_default(),
-                group_id: announce.group.clone().unwrap_or_default(),
-                ..self.settings.kafka.clone()
-            },
-        };
+        let probe = self.probe(server, self.settings.redis.url.clone(), activity);
         let started = Instant::now();
         let quiet = probe
             .wait_quiet(Duration::from_secs_f64(self.opts.drain_timeout))

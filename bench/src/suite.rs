@@ -22,80 +22,26 @@ use anyhow::Context;
 use chrono::Utc;
 use flashsale::config::Settings;
 use secrecy::ExposeSecret;
-use sqlx::migrate::MigrateDatabase;
-use sqlx::{Connection, MySql, MySqlConnection};
+use sqlx::{Connection, MySqlConnection};
 
 use crate::ceiling::{self, BrokerCeiling, RedisCeiling};
+use crate::clock::now_unix_ms;
 use crate::context::Bench;
-use crate::machine::{self, CpuSampler, Machine};
+use crate::machine::{self, Machine};
 use crate::model::Summary;
 use crate::options::SuiteOptions;
-use crate::process::{sibling, Loadtest};
-use crate::side::SideQuery;
+use crate::redis_info;
 use crate::with_database;
-
-pub fn now_unix_ms() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64() * 1000.0)
-        .unwrap_or(0.0)
-}
 
 /// Runs the comparison and writes `summary.json` and `report.md` into `opts.out`.
 pub async fn run(opts: SuiteOptions, command: String) -> anyhow::Result<Summary> {
     let started_at = Utc::now();
     let t0 = Instant::now();
     let settings = Settings::load_from(&opts.repo.join("config"), &opts.env)?;
-    let loadtest = Loadtest {
-        bin: sibling("loadtest")?,
-        opts: opts.clone(),
-    };
-    let server_bin = sibling("bench-server")?;
-    let runs_dir = opts.out.join("runs");
-    std::fs::create_dir_all(&runs_dir)
-        .with_context(|| format!("failed to create {}", runs_dir.display()))?;
-
     let machine = describe_machine(&settings).await?;
-    let cpu = CpuSampler::start()?;
-    for (role, name) in [
-        ("redis", "redis-server"),
-        ("mariadb", "mariadbd"),
-        ("broker", "tansu"),
-    ] {
-        if let Some(pid) = machine::pids_named(name).into_iter().next() {
-            cpu.track(role, pid);
-        }
-    }
-
-    // The other business: its own database on the same server.
-    let mysql_url = settings.mysql.url.expose_secret().to_owned();
-    let side_db = format!(
-        "flashsale_bench_side_{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
-    let side_url = with_database(&mysql_url, &side_db);
-    MySql::create_database(&side_url)
-        .await
-        .context("failed to create the side database")?;
-    let side = SideQuery::start(&side_url, opts.side_rate).await?;
-
-    let mut bench = Bench::new(
-        opts.clone(),
-        settings,
-        loadtest,
-        server_bin,
-        runs_dir,
-        cpu,
-        side,
-    );
+    let mut bench = Bench::start(opts.clone(), settings).await?;
     let summary = sections(&mut bench, started_at, t0, command, machine).await;
-
-    let Bench { cpu, side, .. } = bench;
-    side.stop();
-    cpu.stop();
-    if let Err(err) = MySql::drop_database(&side_url).await {
-        eprintln!("could not drop {side_db}: {err}");
-    }
+    bench.stop().await;
     let summary = summary?;
     let json_path = opts.out.join("summary.json");
     std::fs::write(&json_path, serde_json::to_vec_pretty(&summary)?)
@@ -211,22 +157,7 @@ async fn describe_machine(settings: &Settings) -> anyhow::Result<Machine> {
     machine.innodb_flush_log_at_trx_commit = flush.map(|(_, v)| v).unwrap_or_default();
     drop_stale_databases(&mut admin).await?;
     admin.close().await.ok();
-    let redis_info: String = {
-        let client = redis::Client::open(settings.redis.url.as_str())?;
-        let mut conn = client
-            .get_multiplexed_async_connection()
-            .await
-            .context("failed to connect to Redis (run scripts/services.sh)")?;
-        redis::cmd("INFO")
-            .arg("server")
-            .query_async(&mut conn)
-            .await?
-    };
-    machine.redis = redis_info
-        .lines()
-        .find_map(|l| l.strip_prefix("redis_version:"))
-        .map(|v| v.trim().to_owned())
-        .unwrap_or_default();
+    machine.redis = redis_info::version(&settings.redis.url).await?;
     Ok(machine)
 }
 

@@ -49,6 +49,15 @@ impl Sample {
     pub fn served(&self) -> bool {
         matches!(self.answer.status, Some(s) if s < 500)
     }
+
+    /// Milliseconds from `mark` to the answer; negative for one that came before.
+    pub fn received_ms_from(&self, mark: Instant) -> i64 {
+        if self.received >= mark {
+            self.received.duration_since(mark).as_millis() as i64
+        } else {
+            -(mark.duration_since(self.received).as_millis() as i64)
+        }
+    }
 }
 
 /// What a fault cost the buyers, read off the samples.
@@ -145,11 +154,7 @@ impl Outage {
         let mut buckets: std::collections::BTreeMap<i64, (usize, usize)> = Default::default();
         let step_ms = step.as_millis().max(1) as i64;
         for s in samples {
-            let at = if s.received >= mark {
-                s.received.duration_since(mark).as_millis() as i64
-            } else {
-                -(mark.duration_since(s.received).as_millis() as i64)
-            };
+            let at = s.received_ms_from(mark);
             let b = buckets.entry(at.div_euclid(step_ms)).or_default();
             if s.served() {
                 b.0 += 1;

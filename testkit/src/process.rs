@@ -517,6 +517,19 @@ impl RedisCluster {
         None
     }
 
+    /// The ports of the live nodes that are primaries now.
+    pub fn primaries(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| n.proc.is_some())
+            .filter(|n| {
+                redis_cli(&["-p", &n.port.to_string(), "info", "replication"])
+                    .contains("role:master")
+            })
+            .map(|n| n.port)
+            .collect()
+    }
+
     /// SIGKILLs the node on `port`.
     pub fn kill(&mut self, port: u16) {
         if let Some(n) = self.nodes.iter_mut().find(|n| n.port == port) {

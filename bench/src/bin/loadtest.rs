@@ -16,7 +16,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use flashsale::auth::Auth;
 use flashsale::config::Settings;
 use flashsale_bench::loadgen::{self, ClickOrder, Plan};
 
@@ -100,10 +99,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let env = cli.env.unwrap_or_else(flashsale::config::environment);
     let settings = Settings::load_from(&cli.config, &env)?;
-    let auth = Auth::new(
-        settings.auth.admin_token.clone(),
-        &settings.auth.user_token_secret,
-    )?;
+    let auth = loadgen::signer(&settings.auth)?;
     let addr = resolve(&cli.url).await?;
     // Tokens outlive any run: an hour.
     let users = loadgen::issue_tokens(&auth, &cli.user_prefix, cli.users, 3600)?;

@@ -34,6 +34,16 @@ pub fn section(md: &mut String, f: &FailoverSection) {
         f.promoted_port,
         f.ended_after_s
     );
+    table(md, f);
+    let _ = writeln!(
+        md,
+        "\n![answers per {} ms by status through the failover](failover.png)",
+        f.bucket_ms
+    );
+}
+
+/// The figures of the fault, one row each.
+fn table(md: &mut String, f: &FailoverSection) {
     let _ = writeln!(md, "| | |\n| --- | ---: |");
     let _ = writeln!(
         md,
@@ -93,10 +103,5 @@ pub fn section(md: &mut String, f: &FailoverSection) {
             .unwrap_or_default(),
         verdict(f.invariants.ok),
         f.invariants.notes.join("; ")
-    );
-    let _ = writeln!(
-        md,
-        "\n![answers per {} ms by status through the failover](failover.png)",
-        f.bucket_ms
     );
 }

@@ -67,29 +67,34 @@ pub fn flood(md: &mut String, f: &FloodSection) {
         );
     }
     if let Some(sold) = f.run("sold out") {
-        let _ = writeln!(md);
-        if let Some(n) = noop {
-            let r = sold.rps / n;
-            let _ = writeln!(
-                md,
-                "- Sold out ≥ 0.85 × the authenticated no-op: {r:.2} → {}",
-                verdict(r >= 0.85)
-            );
-        }
-        if let Some(h) = healthz {
-            let r = sold.rps / h;
-            let _ = writeln!(
-                md,
-                "- Sold out ≥ 0.7 × `GET /healthz`: {r:.2} → {}",
-                verdict(r >= 0.7)
-            );
-        }
+        sold_out_verdicts(md, sold.rps, healthz, noop);
     }
     let _ = writeln!(
         md,
         "\nThe winning phase's CPU includes the order consumer in the same process (it writes \
          the orders while the run goes on).\n"
     );
+}
+
+/// The sold-out phase against the two it must keep up with.
+fn sold_out_verdicts(md: &mut String, sold_rps: f64, healthz: Option<f64>, noop: Option<f64>) {
+    let _ = writeln!(md);
+    if let Some(n) = noop {
+        let r = sold_rps / n;
+        let _ = writeln!(
+            md,
+            "- Sold out ≥ 0.85 × the authenticated no-op: {r:.2} → {}",
+            verdict(r >= 0.85)
+        );
+    }
+    if let Some(h) = healthz {
+        let r = sold_rps / h;
+        let _ = writeln!(
+            md,
+            "- Sold out ≥ 0.7 × `GET /healthz`: {r:.2} → {}",
+            verdict(r >= 0.7)
+        );
+    }
 }
 
 /// The gate reopening on one instance when units come back through another.

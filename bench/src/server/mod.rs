@@ -27,11 +27,12 @@
 pub mod mysql;
 pub mod redis_decr;
 pub mod redis_lock;
+pub mod sale;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -57,6 +58,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
 
 use crate::with_database;
+use sale::{Counters, Decided, Keys, Sale};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -350,64 +352,6 @@ async fn cleanup(settings: &Settings) {
     if let Err(err) = MySql::drop_database(url).await {
         tracing::warn!(error = %err, "could not drop the benchmark database");
     }
-}
-
-/// Counters of what went wrong, or nearly, in one sale.
-#[derive(Debug)]
-pub struct Counters {
-    /// `redis-decr`: a user recorded twice (their second win overwrote the first).
-    pub double_wins: AtomicU64,
-    /// `redis-decr`: `DECR` answers below zero, each a moment where any reader saw
-    /// negative stock.
-    pub negative_decrements: AtomicU64,
-    pub lowest_stock_seen: AtomicI64,
-    /// `redis-lock`: attempts that found the lock held.
-    pub lock_waits: AtomicU64,
-    /// `redis-lock`: requests that gave up waiting (answered 503).
-    pub lock_timeouts: AtomicU64,
-    /// `redis-lock`: releases that found the lock gone or someone else's (it expired
-    /// while held: the critical section was not exclusive any more).
-    pub locks_lost: AtomicU64,
-}
-
-impl Counters {
-    fn new(stock: i64) -> Self {
-        Counters {
-            double_wins: AtomicU64::new(0),
-            negative_decrements: AtomicU64::new(0),
-            lowest_stock_seen: AtomicI64::new(stock),
-            lock_waits: AtomicU64::new(0),
-            lock_timeouts: AtomicU64::new(0),
-            locks_lost: AtomicU64::new(0),
-        }
-    }
-}
-
-/// One open sale of a strategy server.
-#[derive(Debug)]
-pub struct Sale {
-    pub sku: String,
-    pub stock: i64,
-    pub keys: Keys,
-    pub counters: Counters,
-}
-
-/// The Redis keys of one sale, under one hash tag like the service's.
-#[derive(Debug, Clone)]
-pub struct Keys {
-    pub stock: String,
-    pub buyers: String,
-    pub lock: String,
-}
-
-/// What a strategy decided for one request.
-#[derive(Debug)]
-pub enum Decided {
-    Reserved,
-    AlreadyReserved(String),
-    SoldOut,
-    /// `redis-lock` only: the lock could not be had in time.
-    Busy,
 }
 
 #[derive(Clone)]

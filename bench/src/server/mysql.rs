@@ -14,7 +14,7 @@
 use flashsale::error::AppError;
 use sqlx::MySqlPool;
 
-use super::Decided;
+use super::sale::Decided;
 
 pub async fn create_tables(pool: &MySqlPool) -> anyhow::Result<()> {
     use anyhow::Context;

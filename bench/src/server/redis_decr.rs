@@ -13,7 +13,7 @@
 
 use redis::RedisResult;
 
-use super::{Decided, Sale};
+use super::sale::{Decided, Sale};
 use flashsale::stock::RedisConn;
 use std::sync::atomic::Ordering;
 
@@ -24,12 +24,7 @@ pub async fn reserve(
     reservation_id: &str,
 ) -> RedisResult<Decided> {
     // 1. The per-user check, on its own.
-    let existing: Option<String> = redis::cmd("HGET")
-        .arg(&sale.keys.buyers)
-        .arg(user)
-        .query_async(conn)
-        .await?;
-    if let Some(id) = existing {
+    if let Some(id) = sale.buyer(conn, user).await? {
         return Ok(Decided::AlreadyReserved(id));
     }
     // 2. Take a unit; give it back if there was none.
@@ -49,12 +44,7 @@ pub async fn reserve(
     }
     // 3. Record the buyer. 0 new fields means another click of this user got here
     //    first: the user now holds two units and the first reservation id is lost.
-    let added: i64 = redis::cmd("HSET")
-        .arg(&sale.keys.buyers)
-        .arg(user)
-        .arg(reservation_id)
-        .query_async(conn)
-        .await?;
+    let added = sale.record_buyer(conn, user, reservation_id).await?;
     if added == 0 {
         sale.counters.double_wins.fetch_add(1, Ordering::Relaxed);
     }

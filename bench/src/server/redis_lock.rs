@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use flashsale::stock::RedisConn;
 use redis::{RedisResult, Script};
 
-use super::{Decided, Sale};
+use super::sale::{Decided, Sale};
 
 #[derive(Debug, Clone, Copy)]
 pub struct LockOptions {
@@ -83,12 +83,7 @@ async fn critical_section(
     user: &str,
     reservation_id: &str,
 ) -> RedisResult<Decided> {
-    let existing: Option<String> = redis::cmd("HGET")
-        .arg(&sale.keys.buyers)
-        .arg(user)
-        .query_async(conn)
-        .await?;
-    if let Some(id) = existing {
+    if let Some(id) = sale.buyer(conn, user).await? {
         return Ok(Decided::AlreadyReserved(id));
     }
     let left: Option<i64> = redis::cmd("GET")
@@ -102,11 +97,6 @@ async fn critical_section(
         .arg(&sale.keys.stock)
         .query_async(conn)
         .await?;
-    let _: i64 = redis::cmd("HSET")
-        .arg(&sale.keys.buyers)
-        .arg(user)
-        .arg(reservation_id)
-        .query_async(conn)
-        .await?;
+    sale.record_buyer(conn, user, reservation_id).await?;
     Ok(Decided::Reserved)
 }

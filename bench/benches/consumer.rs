@@ -1,7 +1,8 @@
 //! Order consumer throughput into MariaDB, for several batch sizes.
 //!
-//!     cargo bench --bench consumer            # needs scripts/services.sh first
-//!     BENCH_ORDERS=20000 cargo bench --bench consumer
+//!     scripts/bench.sh consumer               # starts the services, then this
+//!     cargo bench -p flashsale-bench --bench consumer   # needs scripts/services.sh first
+//!     BENCH_ORDERS=20000 scripts/bench.sh consumer
 //!
 //! Two figures per batch size:
 //! - `writer`: the MySQL + Redis half alone (`OrderWriter`: one transaction per
@@ -22,6 +23,7 @@ use flashsale::kafka::{self, Publisher, ReservationMessage};
 use flashsale::orders::{Incoming, OrderConsumer, OrderRepo, OrderWriter};
 use flashsale::startup;
 use flashsale::stock::{RedisConn, StockStore};
+use flashsale_bench::with_database;
 use secrecy::{ExposeSecret, SecretString};
 use tokio_util::sync::CancellationToken;
 
@@ -33,7 +35,10 @@ async fn main() -> anyhow::Result<()> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(10_000);
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    // The service's own configuration, one folder above this crate.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("config");
     let base = Settings::load_from(&dir, "test")?;
     println!("order consumer throughput into MariaDB ({orders} orders per run, batch sizes {BATCH_SIZES:?})");
     println!("| batch size | writer orders/s | end-to-end orders/s |");
@@ -62,8 +67,9 @@ struct Env {
 async fn environment(base: &Settings, tag: &str) -> anyhow::Result<Env> {
     let id = uuid::Uuid::new_v4().simple().to_string();
     let mut settings = base.clone();
-    settings.mysql.url = SecretString::from(format!(
-        "mysql://root@127.0.0.1:3306/flashsale_bench_{tag}_{id}"
+    settings.mysql.url = SecretString::from(with_database(
+        base.mysql.url.expose_secret(),
+        &format!("flashsale_bench_{tag}_{id}"),
     ));
     settings.mysql.max_connections = 4;
     settings.kafka.topic = format!("flash.bench.{id}");
@@ -100,6 +106,15 @@ async fn environment(base: &Settings, tag: &str) -> anyhow::Result<Env> {
     })
 }
 
+impl Env {
+    fn writer(&self) -> OrderWriter {
+        OrderWriter {
+            repo: self.repo.clone(),
+            stock: self.stock.clone(),
+        }
+    }
+}
+
 async fn drop_database(env: &Env) -> anyhow::Result<()> {
     let url = env.settings.mysql.url.expose_secret().to_owned();
     env.repo.pool().close().await;
@@ -118,10 +133,7 @@ fn incoming(activity_id: &str, i: usize) -> Incoming {
 
 async fn writer_run(base: &Settings, batch: usize, n: usize) -> anyhow::Result<f64> {
     let env = environment(base, "w").await?;
-    let writer = OrderWriter {
-        repo: env.repo.clone(),
-        stock: env.stock.clone(),
-    };
+    let writer = env.writer();
     let all: Vec<Incoming> = (0..n).map(|i| incoming(&env.activity_id, i)).collect();
     let never = CancellationToken::new();
     let started = Instant::now();
@@ -169,11 +181,7 @@ async fn end_to_end_run(base: &Settings, batch: usize, n: usize) -> anyhow::Resu
     for r in futures::future::join_all(sends).await {
         r?;
     }
-    let writer = OrderWriter {
-        repo: env.repo.clone(),
-        stock: env.stock.clone(),
-    };
-    let consumer = OrderConsumer::new(&env.settings, writer, publisher)?;
+    let consumer = OrderConsumer::new(&env.settings, env.writer(), publisher)?;
     let stop = CancellationToken::new();
     let task = tokio::spawn(consumer.run(stop.clone()));
     let deadline = Instant::now() + Duration::from_secs(600);
