@@ -11,7 +11,7 @@ use utoipa::{Modify, OpenApi};
 /// existing `reservation_id`.
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct ErrorBody {
-    /// A fixed snake_case code (API.md).
+    /// A fixed snake_case code (docs/API.md).
     pub code: String,
     /// Human text.
     pub message: String,
