@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the fault suite N times in a row (5 by default), each time from a clean
-# clone of this repository's HEAD, as DESIGN's availability section asks: the
+# clone of this repository's HEAD, as docs/DESIGN.md, "Availability", asks: the
 # suite must pass every time, not most times.
 #
 #   scripts/faults-loop.sh        # five runs

@@ -133,7 +133,7 @@ pub fn redis_down(err: redis::RedisError) -> AppError {
 /// [`AppError`] answers with (see `Wire`, which writes it).
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct ErrorBody {
-    /// A fixed snake_case code (API.md).
+    /// A fixed snake_case code (docs/API.md).
     pub code: String,
     /// Human text.
     pub message: String,

@@ -1,4 +1,4 @@
-//! Who the client is, for the per-IP limit and the logs (API.md, version 2): the
+//! Who the client is, for the per-IP limit and the logs (docs/API.md, version 2): the
 //! TCP peer, or, when the peer is one of `server.trusted_proxies`, the right-most
 //! `X-Forwarded-For` address that is not itself a trusted proxy. A header from any
 //! other peer is ignored, so a client cannot pick its own bucket.

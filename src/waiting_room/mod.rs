@@ -1,4 +1,4 @@
-//! The waiting room (API.md version 2): a fair draw, and admissions that follow
+//! The waiting room (docs/API.md, version 2): a fair draw, and admissions that follow
 //! the stock.
 //!
 //! - **Joining.** From `starts_at − waiting_room_secs` a user joins once

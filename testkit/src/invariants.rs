@@ -1,4 +1,4 @@
-//! DESIGN.md's invariants, checked once a sale is quiet, against MySQL, Redis and
+//! docs/DESIGN.md's invariants, checked once a sale is quiet, against MySQL, Redis and
 //! the answers the clients got. A checker never loosens an invariant to fit the
 //! code: what breaks one is a finding.
 //!

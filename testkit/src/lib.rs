@@ -11,7 +11,7 @@
 //!   failover behind one address);
 //! - [`rng`]: a seeded generator, so a random schedule replays from its seed;
 //! - [`sale`]: creating and loading a sale through the admin API;
-//! - [`invariants`]: waiting until a sale is quiet, then checking DESIGN.md's four
+//! - [`invariants`]: waiting until a sale is quiet, then checking docs/DESIGN.md's
 //!   invariants against MySQL, Redis and the answers the clients got.
 
 pub mod api;

@@ -123,7 +123,7 @@ impl TestAppBuilder {
     /// Peers whose `X-Forwarded-For` is believed.
     pub fn trusted_proxies(mut self, proxies: &[&str]) -> Self {
         self.settings.server.trusted_proxies =
-            flashsale::http::TrustedProxies::parse(proxies).expect("trusted proxies parse");
+            flashsale::config::TrustedProxies::parse(proxies).expect("trusted proxies parse");
         self
     }
 

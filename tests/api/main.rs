@@ -6,6 +6,7 @@ mod errors;
 mod gate;
 mod helpers;
 mod openapi;
+mod openapi_copy;
 mod ops;
 mod orders;
 mod rate_limit;

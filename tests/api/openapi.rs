@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use crate::helpers::spawn_app;
 
-/// Every endpoint of API.md (version 2), by method and path.
+/// Every endpoint of docs/API.md (version 2), by method and path.
 const CONTRACT: &[(&str, &str)] = &[
     ("get", "/flash/{sku}"),
     ("post", "/flash/{sku}/reserve"),

@@ -51,7 +51,7 @@ pub trait Fault: Send + Sync {
     fn expect(&self, _run: &Run, _figures: &Figures) -> Result<(), String> {
         Ok(())
     }
-    /// How long new buyers may go without service (DESIGN.md, Availability),
+    /// How long new buyers may go without service (docs/DESIGN.md, Availability),
     /// counted from the fault, or from its end where `inject` calls
     /// [`Run::fault_over`]. By default the bound for a dependency that is back.
     fn availability(&self) -> Target {
@@ -73,7 +73,7 @@ pub const REBUILD_BOUND: Duration = Duration::from_millis(PUBLISH_TIMEOUT_MS + 2
 /// Sentinel): the services serve from the new primary within this of the
 /// promotion, as any dependency that is back.
 pub const PROMOTED_BOUND: Duration = BACK_BOUND;
-/// The same failover counted from the kill. DESIGN's target is 5 s; Redis's own
+/// The same failover counted from the kill. docs/DESIGN.md's target is 5 s; Redis's own
 /// detection and election take 2.2 to 4.6 s of it here (`cluster-node-timeout`
 /// and `down-after-milliseconds` 2 s, two scenarios side by side on two cores),
 /// before any client can follow, so the bound held is that plus the service's

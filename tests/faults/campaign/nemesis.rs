@@ -1,6 +1,6 @@
 //! The catalogue of faults a campaign draws from (Jepsen calls them nemeses).
 //! Each strikes, lasts a while, and heals; the campaign measures the time
-//! without service from the heal against the kind's bound (DESIGN.md,
+//! without service from the heal against the kind's bound (docs/DESIGN.md,
 //! Availability). A new kind is one struct here and one line in [`catalogue`].
 //!
 //! Not in it yet: a Redis Cluster primary failover (a nine-node cluster per

@@ -4,7 +4,7 @@
 //! - an open sale's buyer reserves, sometimes twice at once (a double click);
 //! - a waiting room's buyer joins, polls its place, reserves once admitted (or
 //!   walks away and lets the turn expire), and keeps polling while told
-//!   `sold_out`, as API.md version 3 lets it;
+//!   `sold_out`, as docs/API.md version 3 lets it;
 //! - a buyer who got a reservation pays for it or not, sometimes after its
 //!   deadline (`409 expired`), so orders lapse and units come back;
 //! - an operator adds stock now and then.
@@ -242,7 +242,7 @@ impl Crowd {
                 self.back(told_sold_out);
                 Some(false)
             }
-            // Not final while the sale is open (API.md version 3): a buyer
+            // Not final while the sale is open (docs/API.md, version 3): a buyer
             // still polling keeps its place if units come back.
             Some("sold_out") if !*told_sold_out => {
                 *told_sold_out = true;
