@@ -128,9 +128,10 @@ pub fn redis_down(err: redis::RedisError) -> AppError {
     AppError::Unavailable("stock store unreachable")
 }
 
+// The OpenAPI document's name for the shape that `AppError` answers with (`Wire`
+// writes it); its doc comment below is what clients read.
 /// Every error answer: `{"code", "message"}`, and for `already_reserved` the
-/// existing `reservation_id`. The OpenAPI document's name for the shape that
-/// [`AppError`] answers with (see `Wire`, which writes it).
+/// existing `reservation_id`.
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct ErrorBody {
     /// A fixed snake_case code (docs/API.md).
