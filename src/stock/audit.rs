@@ -3,7 +3,9 @@
 
 use redis::RedisResult;
 
-use super::{arg, shard_of, Keys, StockStore};
+use super::keys::{shard_of, Keys};
+use super::script::arg;
+use super::store::StockStore;
 
 /// What `audit.lua` found, summed over the activity's shards.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use redis::RedisResult;
 
-use super::{Keys, RedisConn, StockStore};
+use super::conn::RedisConn;
+use super::keys::Keys;
+use super::store::StockStore;
 
 /// Connections of their own for `WAIT`, which blocks the connection it is sent on
 /// until the replicas catch up: on the shared connection, one lagging replica

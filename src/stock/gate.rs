@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use redis::{AsyncCommands, RedisResult};
 
-use super::{Keys, StockStore};
+use super::keys::Keys;
+use super::store::StockStore;
 
 /// How often an instance looks at the restock counts of the sales it keeps shut:
 /// the bound on how long units that come back wait for buyers on that instance.

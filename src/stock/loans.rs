@@ -6,7 +6,9 @@ use std::collections::HashMap;
 
 use redis::RedisResult;
 
-use super::{arg, Keys, StockStore};
+use super::keys::Keys;
+use super::script::arg;
+use super::store::StockStore;
 
 /// Units one stock shard lent a sibling, as the lender recorded them (`lend.lua`).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,7 +7,7 @@
 //! their SHA, with their code as the fallback (`script`), so a flushed script
 //! cache costs one extra round trip, never a failed request.
 //!
-//! Layout: one concern a file, each adding its methods to [`StockStore`].
+//! Layout: one concern a file, each adding its methods to [`StockStore`] (`store`).
 //! - `conn`, `keys`, `script`: the Redis plumbing (connections, key names,
 //!   running a script), shared with the waiting room;
 //! - `reserve`: reserving, with units borrowed between shards; `loans`: the
@@ -32,12 +32,7 @@ mod refund;
 mod reserve;
 mod script;
 mod snapshot;
-
-use std::sync::Arc;
-
-use redis::RedisResult;
-
-use crate::activity::Build;
+mod store;
 
 pub use audit::{Audit, ShardAudit};
 pub use conn::{Family, RedisConn};
@@ -53,66 +48,4 @@ pub use refund::{RefundMode, RefundOutcome};
 pub use reserve::ReserveOutcome;
 pub(crate) use script::{arg, invoke, Lua};
 pub use snapshot::StockSnapshot;
-
-use barrier::ReplicaBarrier;
-use dry::DrySiblings;
-use gate::SoldOutGate;
-
-#[derive(Clone)]
-pub struct StockStore {
-    conn: RedisConn,
-    dry: Arc<DrySiblings>,
-    gate: Arc<SoldOutGate>,
-    barrier: Option<ReplicaBarrier>,
-    reserve: Lua,
-    refund: Lua,
-    preload: Lua,
-    audit: Lua,
-    fate: Lua,
-    confirm: Lua,
-    lower: Lua,
-    lend: Lua,
-    receive: Lua,
-    loan_done: Lua,
-}
-
-impl StockStore {
-    pub fn new(conn: RedisConn) -> Self {
-        StockStore {
-            conn,
-            dry: Arc::default(),
-            gate: Arc::default(),
-            barrier: None,
-            reserve: Lua::new(include_str!("reserve.lua")),
-            refund: Lua::new(include_str!("refund.lua")),
-            preload: Lua::new(include_str!("preload.lua")),
-            audit: Lua::new(include_str!("audit.lua")),
-            fate: Lua::new(include_str!("fate.lua")),
-            confirm: Lua::new(include_str!("confirm.lua")),
-            lower: Lua::new(include_str!("lower.lua")),
-            lend: Lua::new(include_str!("lend.lua")),
-            receive: Lua::new(include_str!("receive.lua")),
-            loan_done: Lua::new(include_str!("loan_done.lua")),
-        }
-    }
-
-    pub fn connection(&self) -> RedisConn {
-        self.conn.clone()
-    }
-
-    /// Runs one of the stock's scripts on the shared connection (see [`invoke`]).
-    async fn run<T: redis::FromRedisValue>(
-        &self,
-        lua: &Lua,
-        keys: &[&str],
-        args: &[Vec<u8>],
-    ) -> RedisResult<T> {
-        invoke(&self.conn, lua, keys, args).await
-    }
-
-    pub async fn ping(&self) -> RedisResult<()> {
-        let mut conn = self.conn.clone();
-        let _: String = redis::cmd("PING").query_async(&mut conn).await?;
-        Ok(())
-    }
-}
+pub use store::StockStore;

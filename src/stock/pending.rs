@@ -4,7 +4,9 @@
 
 use redis::{AsyncCommands, RedisResult};
 
-use super::{arg, Keys, StockStore};
+use super::keys::Keys;
+use super::script::arg;
+use super::store::StockStore;
 
 /// Where a pending reservation stands (see `fate.lua`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

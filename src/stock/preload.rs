@@ -2,7 +2,10 @@
 
 use redis::RedisResult;
 
-use super::{arg, deal, home_shard, shard_of, Build, Keys, StockStore};
+use super::keys::{deal, home_shard, shard_of, Keys};
+use super::script::arg;
+use super::store::StockStore;
+use crate::activity::Build;
 
 /// Which preload: see `preload.lua`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

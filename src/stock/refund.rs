@@ -4,7 +4,9 @@
 use redis::RedisResult;
 
 use super::audit::owed_on;
-use super::{arg, shard_of, Keys, StockStore};
+use super::keys::{shard_of, Keys};
+use super::script::arg;
+use super::store::StockStore;
 
 /// Which refund: see `refund.lua`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

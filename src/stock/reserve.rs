@@ -3,7 +3,9 @@
 
 use redis::RedisResult;
 
-use super::{arg, shard_of, Keys, StockStore};
+use super::keys::{shard_of, Keys};
+use super::script::arg;
+use super::store::StockStore;
 
 /// What the reserve script decided.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 
 use redis::{RedisResult, Script};
 
-use super::RedisConn;
+use super::conn::RedisConn;
 
 /// One script argument, encoded as Redis would.
 pub(crate) fn arg<T: redis::ToRedisArgs>(value: T) -> Vec<u8> {

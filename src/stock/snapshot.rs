@@ -2,7 +2,8 @@
 
 use redis::{AsyncCommands, RedisResult};
 
-use super::{home_shard, Keys, StockStore};
+use super::keys::{home_shard, Keys};
+use super::store::StockStore;
 
 /// One shard as `snapshot` reads it: stock, state, pending count, buyers count,
 /// epoch, and the oldest pending reservation with its time.

@@ -6,7 +6,50 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{Decision, Incoming, NewRows};
+/// One reservation as the consumer hands it to MySQL.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    pub reservation_id: String,
+    pub activity_id: String,
+    pub user_id: String,
+    pub quantity: u32,
+}
+
+/// What MySQL decided for one reservation. Every reservation is decided once, under
+/// the activity's row lock; a later look at it finds the decision already made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// A new order awaits payment; the units were taken from the DB count.
+    Ordered,
+    /// The reservation is an order already (a redelivery, or its message arrived
+    /// after the reconciler honoured it): nothing changed.
+    Duplicate,
+    /// The reservation has a failed row already: nothing changed.
+    AlreadyFailed,
+    /// The reservation is withdrawn (now, or before): it never becomes an order,
+    /// and its units and the user's right go back to Redis.
+    Withdrawn,
+    /// Recorded as failed for bad data (an unknown activity); its units go back.
+    Failed { reason: &'static str },
+    /// MySQL has no units left for it: an incident (Redis handed out more than
+    /// MySQL holds). Recorded as failed with nothing owed back: Redis is lowered
+    /// to `available` (MySQL's count after the batch), never refunded.
+    Refused { available: i64 },
+    /// The user already holds an order from another reservation: this one loses
+    /// and its units must go back to Redis (no row is written for it).
+    Superseded,
+}
+
+/// What a reservation MySQL has not decided yet becomes.
+#[derive(Debug, Clone, Copy)]
+pub enum NewRows {
+    /// An order awaiting payment, taking its units (the consumer, or the reconciler
+    /// honouring an acknowledged reservation).
+    Order,
+    /// A withdrawal with this reason: the reservation never becomes an order (the
+    /// request whose publish failed, or the reconciler, before the message came).
+    Withdraw(&'static str),
+}
 
 /// An activity as the batch's lock found it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
