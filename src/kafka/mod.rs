@@ -98,7 +98,9 @@ fn create_producer(settings: &KafkaSettings) -> anyhow::Result<FutureProducer> {
             settings.publish_timeout_ms.clamp(1, 30_000).to_string(),
         )
         .set("socket.connection.setup.timeout.ms", "1000")
-        .set("reconnect.backoff.max.ms", "1000")
+        // Reconnects within about half a second of the broker's return (the
+        // target is service again within 2 s of it), even after a long outage.
+        .set("reconnect.backoff.max.ms", "500")
         .create()
         .context("failed to create the Kafka producer")
 }
@@ -287,23 +289,68 @@ pub struct GroupOffsets {
 
 /// Reads the group's committed offsets and the topic's end offsets.
 pub async fn group_offsets(settings: &KafkaSettings) -> anyhow::Result<GroupOffsets> {
-    let brokers = settings.brokers.clone();
-    let group = settings.group_id.clone();
-    let topic = settings.topic.clone();
+    let settings = settings.clone();
     tokio::task::spawn_blocking(move || -> anyhow::Result<GroupOffsets> {
-        use rdkafka::consumer::{BaseConsumer, Consumer};
-        use rdkafka::{Offset, TopicPartitionList};
-        let timeout = Duration::from_secs(3);
-        // Reading the group's committed offsets does not join the group.
-        let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
-            .set("group.id", &group)
+        let partitions = GroupProbe::new(&settings)?.read(Duration::from_secs(3))?;
+        Ok(GroupOffsets {
+            committed: partitions.iter().map(|p| p.committed).sum(),
+            lag: partitions.iter().map(|p| p.lag).sum(),
+        })
+    })
+    .await
+    .context("lag probe task failed")?
+}
+
+/// Where the order consumers' group stands on one partition of the reservation
+/// topic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartitionOffsets {
+    pub partition: i32,
+    /// The group's committed offset (the partition's start when it has committed
+    /// nothing there).
+    pub committed: i64,
+    /// Messages published and not yet committed.
+    pub lag: i64,
+}
+
+/// A client that reads the group's offsets without joining the group. Its calls
+/// block: run them off the async runtime.
+pub struct GroupProbe {
+    consumer: rdkafka::consumer::BaseConsumer,
+    topic: String,
+}
+
+impl GroupProbe {
+    pub fn new(settings: &KafkaSettings) -> anyhow::Result<Self> {
+        let consumer = ClientConfig::new()
+            .set("bootstrap.servers", &settings.brokers)
+            .set("group.id", &settings.group_id)
             .set("enable.auto.commit", "false")
             .set("socket.connection.setup.timeout.ms", "2000")
             .create()
-            .context("failed to create the lag probe")?;
-        let md = consumer
-            .fetch_metadata(Some(&topic), timeout)
+            .context("failed to create the group probe")?;
+        Ok(GroupProbe {
+            consumer,
+            topic: settings.topic.clone(),
+        })
+    }
+
+    /// Each partition's committed offset and lag; `timeout` bounds each request.
+    pub fn read(&self, timeout: Duration) -> anyhow::Result<Vec<PartitionOffsets>> {
+        use rdkafka::consumer::Consumer;
+        use rdkafka::{Offset, TopicPartitionList};
+        // Serves the client's own events (errors, logs), which would pile up in a
+        // long-lived client nobody polls; each poll returns at the first error
+        // event. It holds no partition: no message comes.
+        for _ in 0..100 {
+            if self.consumer.poll(Duration::ZERO).is_none() {
+                break;
+            }
+        }
+        let topic = self.topic.as_str();
+        let md = self
+            .consumer
+            .fetch_metadata(Some(topic), timeout)
             .context("the broker did not answer a metadata request")?;
         let partitions: Vec<i32> = md
             .topics()
@@ -312,29 +359,31 @@ pub async fn group_offsets(settings: &KafkaSettings) -> anyhow::Result<GroupOffs
             .unwrap_or_default();
         let mut tpl = TopicPartitionList::new();
         for p in &partitions {
-            tpl.add_partition(&topic, *p);
+            tpl.add_partition(topic, *p);
         }
-        let committed = consumer
+        let committed = self
+            .consumer
             .committed_offsets(tpl, timeout)
             .context("the broker did not return the group's offsets")?;
-        let mut lag = 0;
-        let mut committed_total = 0;
-        for p in partitions {
-            let (low, high) = consumer
-                .fetch_watermarks(&topic, p, timeout)
+        let mut out = Vec::with_capacity(partitions.len());
+        for partition in partitions {
+            let (low, high) = self
+                .consumer
+                .fetch_watermarks(topic, partition, timeout)
                 .context("the broker did not return the watermarks")?;
-            let done = match committed.find_partition(&topic, p).map(|e| e.offset()) {
-                Some(Offset::Offset(o)) => o,
+            let done = match committed
+                .find_partition(topic, partition)
+                .map(|e| e.offset())
+            {
+                Some(Offset::Offset(o)) => o.max(low),
                 _ => low,
             };
-            lag += (high - done.max(low)).max(0);
-            committed_total += done.max(low);
+            out.push(PartitionOffsets {
+                partition,
+                committed: done,
+                lag: (high - done).max(0),
+            });
         }
-        Ok(GroupOffsets {
-            committed: committed_total,
-            lag,
-        })
-    })
-    .await
-    .context("lag probe task failed")?
+        Ok(out)
+    }
 }

@@ -28,7 +28,7 @@ use super::stall::{StallWatch, Verdict};
 use super::writer::{OrderWriter, MAX_BACKOFF};
 use crate::config::{KafkaSettings, Settings};
 use crate::input::is_valid_id;
-use crate::kafka::{group_offsets, Publisher, ReservationMessage};
+use crate::kafka::{GroupProbe, PartitionOffsets, Publisher, ReservationMessage};
 
 /// Messages this process's consumer sent to the dead-letter topic.
 static DEAD_LETTERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -62,12 +62,35 @@ pub fn parse(payload: Option<&[u8]>) -> Result<Incoming, String> {
 
 /// Reports the partitions this consumer holds after each rebalance, as the gauge
 /// `consumer_assigned_partitions` and in the logs.
-struct RebalanceReport;
+#[derive(Default)]
+struct RebalanceReport {
+    /// When the last assignment or revocation reached this consumer, and whether
+    /// it was an assignment.
+    last: std::sync::Mutex<Option<(Instant, bool)>>,
+}
+
+impl RebalanceReport {
+    /// A rebalance is under way (revoked, not yet assigned again, for less than
+    /// `patience`) or has just ended (assigned less than `just` ago): this
+    /// consumer's assignment says nothing yet.
+    fn settling(&self, now: Instant, just: Duration, patience: Duration) -> bool {
+        // A poisoned lock only means a panic elsewhere; the time is still good.
+        match *self.last.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some((at, true)) => now.duration_since(at) < just,
+            Some((at, false)) => now.duration_since(at) < patience,
+            None => false,
+        }
+    }
+}
 
 impl ClientContext for RebalanceReport {}
 
 impl ConsumerContext for RebalanceReport {
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if !matches!(rebalance, Rebalance::Error(_)) {
+            let assigned = matches!(rebalance, Rebalance::Assign(_));
+            *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), assigned));
+        }
         match rebalance {
             Rebalance::Assign(partitions) => {
                 tracing::info!(partitions = partitions.count(), "partitions assigned");
@@ -91,11 +114,22 @@ pub struct OrderConsumer {
     batch_size: usize,
     batch_wait: Duration,
     kafka: KafkaSettings,
-    /// How often an idle consumer looks at its group (see [`super::stall`]).
+    /// How often the consumer looks at its group (see [`super::stall`]).
     stall_check: Duration,
-    /// How long the group's backlog may stand still before an idle consumer
-    /// rejoins.
+    /// How long a partition's backlog may stand still, held by nobody here,
+    /// before the consumer rejoins.
     stall_patience: Duration,
+}
+
+/// The group's offsets as the probe last read them, and when.
+type GroupView = Option<(Instant, Vec<PartitionOffsets>)>;
+
+/// The consumer's side of the group watch: the probe's latest reading, the
+/// verdicts, and when to look next.
+struct GroupWatch {
+    view: tokio::sync::watch::Receiver<GroupView>,
+    stall: StallWatch,
+    next: Instant,
 }
 
 impl OrderConsumer {
@@ -124,7 +158,7 @@ impl OrderConsumer {
                 settings.consumer.heartbeat_interval_ms.to_string(),
             )
             .set("socket.connection.setup.timeout.ms", "2000")
-            .create_with_context(RebalanceReport)
+            .create_with_context(RebalanceReport::default())
             .context("failed to create the Kafka consumer")?;
         consumer
             .subscribe(&[&settings.kafka.topic])
@@ -146,32 +180,89 @@ impl OrderConsumer {
     /// and retried.
     pub async fn run(self, shutdown: CancellationToken) {
         tracing::info!("order consumer started");
-        let mut stall = StallWatch::new(self.stall_patience);
+        let mut watch = GroupWatch {
+            view: self.spawn_probe(&shutdown),
+            stall: StallWatch::new(self.stall_patience, self.stall_check * 5),
+            next: Instant::now() + self.stall_check,
+        };
         loop {
-            let Some(batch) = self.next_batch(&mut stall, &shutdown).await else {
+            let Some(batch) = self.next_batch(&mut watch, &shutdown).await else {
                 break;
             };
             if !self.handle(&batch, &shutdown).await {
                 break;
             }
+            // Between batches: a rejoin never revokes a batch half done.
+            if Instant::now() >= watch.next {
+                self.look_at_group(&mut watch);
+            }
         }
         tracing::info!("order consumer stopped");
     }
 
+    /// Reads the group's offsets every `stall_check` on a client of its own, off
+    /// the consumer's loop, so that a slow broker never keeps the consumer from
+    /// polling (a rebalance waits for every member to poll).
+    fn spawn_probe(&self, shutdown: &CancellationToken) -> tokio::sync::watch::Receiver<GroupView> {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        let probe = match GroupProbe::new(&self.kafka) {
+            Ok(p) => std::sync::Arc::new(p),
+            Err(err) => {
+                tracing::error!(error = %err, "no group probe: a partition nobody holds will not be noticed");
+                return rx;
+            }
+        };
+        let (every, shutdown) = (self.stall_check, shutdown.clone());
+        tokio::spawn(async move {
+            let mut failing = false;
+            let mut first = true;
+            loop {
+                // The first reading at once: a restarted consumer's clocks start
+                // when it does.
+                if !std::mem::take(&mut first) {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(every) => {}
+                    }
+                }
+                let p = probe.clone();
+                let read =
+                    tokio::task::spawn_blocking(move || p.read(Duration::from_secs(2))).await;
+                let view = match read {
+                    Ok(Ok(v)) => v,
+                    Ok(Err(err)) => {
+                        if !failing {
+                            tracing::warn!(error = %err, "cannot read the consumer group's offsets; the group watch waits");
+                        }
+                        failing = true;
+                        continue;
+                    }
+                    Err(err) => {
+                        tracing::error!(error = %err, "the group probe task failed");
+                        continue;
+                    }
+                };
+                if failing {
+                    tracing::info!("the consumer group's offsets can be read again");
+                }
+                failing = false;
+                if tx.send(Some((Instant::now(), view))).is_err() {
+                    return;
+                }
+            }
+        });
+        rx
+    }
+
     async fn next_batch(
         &self,
-        stall: &mut StallWatch,
+        watch: &mut GroupWatch,
         shutdown: &CancellationToken,
     ) -> Option<Vec<OwnedMessage>> {
         let first = loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return None,
-                _ = tokio::time::sleep(self.stall_check) => {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return None,
-                        _ = self.watch_group(stall) => {}
-                    }
-                }
+                _ = tokio::time::sleep_until(watch.next) => self.look_at_group(watch),
                 m = self.consumer.recv() => match m {
                     Ok(m) => break m.detach(),
                     Err(err) => {
@@ -199,32 +290,40 @@ impl OrderConsumer {
         Some(batch)
     }
 
-    /// While no message comes: when this consumer holds no partition and the
-    /// group's backlog stands still, leaves the group and joins again.
-    async fn watch_group(&self, stall: &mut StallWatch) {
-        let held = match self.consumer.assignment() {
-            Ok(list) => list.count(),
+    /// When a partition this consumer does not hold has messages waiting and
+    /// nothing committed for longer than the patience, leaves the group and joins
+    /// again. Cheap: reads the probe's latest reading and this consumer's
+    /// assignment, both in memory.
+    fn look_at_group(&self, watch: &mut GroupWatch) {
+        let now = Instant::now();
+        watch.next = now + self.stall_check;
+        let Some((read_at, view)) = watch.view.borrow().clone() else {
+            return;
+        };
+        let settling =
+            self.consumer
+                .context()
+                .settling(now, self.stall_check * 2, self.stall_patience);
+        let held: std::collections::HashSet<i32> = match self.consumer.assignment() {
+            Ok(list) => list
+                .elements_for_topic(&self.kafka.topic)
+                .iter()
+                .map(|e| e.partition())
+                .collect(),
             Err(err) => {
                 tracing::warn!(error = %err, "cannot read this consumer's assignment");
                 return;
             }
         };
-        if held > 0 {
-            stall.healthy();
-            return;
-        }
-        // The broker not answering says nothing about the group: look again later.
-        let offsets = match group_offsets(&self.kafka).await {
-            Ok(o) => o,
-            Err(err) => {
-                tracing::debug!(error = %err, "cannot read the group's offsets");
-                return;
-            }
-        };
-        if stall.idle(offsets.committed, offsets.lag, Instant::now()) == Verdict::Rejoin {
+        // A fraction in [0, 1) from the process's random source: members of one
+        // fleet do not rejoin in step.
+        let jitter =
+            (uuid::Uuid::new_v4().as_u128() & ((1 << 53) - 1)) as f64 / (1u64 << 53) as f64;
+        if watch.stall.look(&view, &held, settling, jitter, read_at) == Verdict::Rejoin {
+            let waiting: i64 = view.iter().map(|p| p.lag).sum();
             tracing::warn!(
-                lag = offsets.lag,
-                "this consumer holds no partition and nobody drains the backlog; rejoining the group"
+                waiting,
+                "a partition this consumer does not hold has messages nobody commits; rejoining the group"
             );
             metrics::counter!("flashsale_consumer_rejoins_total").increment(1);
             self.consumer.unsubscribe();
