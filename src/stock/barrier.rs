@@ -8,7 +8,6 @@ use redis::RedisResult;
 
 use super::conn::RedisConn;
 use super::keys::Keys;
-use super::store::StockStore;
 
 /// Connections of their own for `WAIT`, which blocks the connection it is sent on
 /// until the replicas catch up: on the shared connection, one lagging replica
@@ -23,40 +22,33 @@ pub(super) struct ReplicaBarrier {
     timeout_ms: u64,
 }
 
-impl StockStore {
-    /// Makes `replicated` wait for `replicas` replicas, at most `timeout`, over
-    /// `conns` (connections used for nothing else).
-    pub fn with_replica_barrier(
-        mut self,
+impl ReplicaBarrier {
+    /// Waits for `replicas` replicas, at most `timeout`, over `conns`
+    /// (connections used for nothing else); none when no replica is required.
+    pub(super) fn new(
         conns: Vec<RedisConn>,
         replicas: u32,
         timeout: std::time::Duration,
-    ) -> Self {
-        if replicas > 0 && !conns.is_empty() {
-            self.barrier = Some(ReplicaBarrier {
-                conns: Arc::new(conns),
-                next: Arc::new(AtomicUsize::new(0)),
-                replicas,
-                timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-            });
-        }
-        self
+    ) -> Option<Self> {
+        (replicas > 0 && !conns.is_empty()).then(|| ReplicaBarrier {
+            conns: Arc::new(conns),
+            next: Arc::new(AtomicUsize::new(0)),
+            replicas,
+            timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+        })
     }
 
     /// Whether the configured replicas hold every write made to the reservation's
-    /// primary so far (the reservation among them): `true` at once when no
-    /// replicas are required. A bump of `…:barrier` on a barrier connection, then
+    /// primary so far (the reservation among them). A bump of `…:barrier` on a barrier connection, then
     /// `WAIT` on that same connection (on a Cluster, at the primary that owns the
     /// slot of the reservation's shard).
-    pub async fn replicated(
+    pub(super) async fn replicated(
         &self,
         activity_id: &str,
         user_id: &str,
         reservation_id: &str,
     ) -> RedisResult<bool> {
-        let Some(b) = &self.barrier else {
-            return Ok(true);
-        };
+        let b = self;
         let k = Keys::of_reservation(activity_id, reservation_id);
         let i = b.next.fetch_add(1, Ordering::Relaxed) % b.conns.len();
         let mut conn = b.conns[i].clone();

@@ -12,7 +12,8 @@
 //!   running a script), shared with the waiting room;
 //! - `reserve`: reserving, with units borrowed between shards; `loans`: the
 //!   loans a borrower left half done;
-//! - `gate`: the sold-out gate; `dry`: the dry-sibling cache;
+//! - `gate`: the sold-out gate's memory, `sold_out`: finding and reopening sold-out
+//!   sales; `dry`: the dry-sibling cache;
 //! - `barrier`: the replica barrier;
 //! - `pending`: reservations awaiting MySQL's decision; `refund`: units going
 //!   back;
@@ -32,6 +33,7 @@ mod refund;
 mod reserve;
 mod script;
 mod snapshot;
+mod sold_out;
 mod store;
 
 pub use audit::{Audit, ShardAudit};

@@ -64,6 +64,34 @@ impl StockStore {
         invoke(&self.conn, lua, keys, args).await
     }
 
+    /// Makes `replicated` wait for `replicas` replicas, at most `timeout`, over
+    /// `conns` (connections used for nothing else).
+    pub fn with_replica_barrier(
+        mut self,
+        conns: Vec<RedisConn>,
+        replicas: u32,
+        timeout: std::time::Duration,
+    ) -> Self {
+        if let Some(b) = ReplicaBarrier::new(conns, replicas, timeout) {
+            self.barrier = Some(b);
+        }
+        self
+    }
+
+    /// Whether the configured replicas hold the reservation (see
+    /// `ReplicaBarrier::replicated`): `true` at once when none are required.
+    pub async fn replicated(
+        &self,
+        activity_id: &str,
+        user_id: &str,
+        reservation_id: &str,
+    ) -> RedisResult<bool> {
+        match &self.barrier {
+            Some(b) => b.replicated(activity_id, user_id, reservation_id).await,
+            None => Ok(true),
+        }
+    }
+
     pub async fn ping(&self) -> RedisResult<()> {
         let mut conn = self.conn.clone();
         let _: String = redis::cmd("PING").query_async(&mut conn).await?;
