@@ -813,34 +813,42 @@ const JOURNAL_EVERY: Duration = Duration::from_millis(500);
 const JOURNAL_TIMEOUT: Duration = Duration::from_secs(5);
 
 async fn copy_journals(room: &WaitingRoom, cache: &ActivityCache, shutdown: CancellationToken) {
-    let mut tick = tokio::time::interval(JOURNAL_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        let now = Utc::now();
-        for a in cache.waiting_rooms(now) {
-            if now > a.ends_at + chrono::Duration::minutes(1) {
-                continue;
+    every_room(JOURNAL_EVERY, cache, shutdown, |a, _| async move {
+        match tokio::time::timeout(JOURNAL_TIMEOUT, room.copy_journal(&a)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => {
+                tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "copying the waiting room's journal failed");
             }
-            let copied = tokio::time::timeout(JOURNAL_TIMEOUT, room.copy_journal(&a));
-            match copied.await {
-                Ok(Ok(())) => {}
-                Ok(Err(err)) => {
-                    tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "copying the waiting room's journal failed");
-                }
-                Err(_) => {
-                    tracing::warn!(activity_id = %a.id, "copying the waiting room's journal timed out");
-                }
+            Err(_) => {
+                tracing::warn!(activity_id = %a.id, "copying the waiting room's journal timed out");
             }
         }
-    }
+    })
+    .await
 }
 
 async fn admit_every_tick(room: &WaitingRoom, cache: &ActivityCache, shutdown: CancellationToken) {
-    let mut tick = tokio::time::interval(Duration::from_millis(room.settings.tick_ms));
+    let every = Duration::from_millis(room.settings.tick_ms);
+    every_room(every, cache, shutdown, |a, now| async move {
+        if let Err(err) = room.step(&a, now).await {
+            tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "waiting room step failed");
+        }
+    })
+    .await
+}
+
+/// Runs `each` every `every` on each activity with a waiting room, until a minute
+/// past its end, until `shutdown`.
+async fn every_room<F, Fut>(
+    every: Duration,
+    cache: &ActivityCache,
+    shutdown: CancellationToken,
+    mut each: F,
+) where
+    F: FnMut(Arc<Activity>, DateTime<Utc>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
@@ -852,9 +860,7 @@ async fn admit_every_tick(room: &WaitingRoom, cache: &ActivityCache, shutdown: C
             if now > a.ends_at + chrono::Duration::minutes(1) {
                 continue;
             }
-            if let Err(err) = room.step(&a, now).await {
-                tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "waiting room step failed");
-            }
+            each(a, now).await;
         }
     }
 }
