@@ -43,7 +43,8 @@ enum Command {
     Migrate,
     /// Print the OpenAPI 3.1 document of the HTTP API (as `GET /openapi.json`).
     Openapi,
-    /// Print a signed user token, for trying the API by hand.
+    /// Print a signed user token (HS256, `auth.user_token_secret`), for trying
+    /// the API by hand.
     Token {
         /// The user id (the token's `sub`).
         #[arg(long)]
@@ -108,6 +109,9 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Token { user, ttl_secs } => {
+            if !settings.auth.hs256 {
+                anyhow::bail!("auth.hs256 is false: the service refuses HS256 user tokens; get one from the identity provider");
+            }
             let auth = Auth::new(
                 settings.auth.admin_token.clone(),
                 &settings.auth.user_token_secret,

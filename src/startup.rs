@@ -362,6 +362,8 @@ fn spawn_upkeep(
         shutdown.clone(),
     ));
     background.spawn(prune_rate_limiters(limiters.clone(), shutdown.clone()));
+    // The identity provider's JWKS (when configured): fetched now and kept fresh.
+    background.spawn(state.auth.clone().run_key_refresher(shutdown.clone()));
     background.spawn(metrics_upkeep(state.clone(), shutdown.clone()));
     background.spawn(state.stock.clone().run_sold_out_gate(shutdown.clone()));
     background.spawn(crate::waiting_room::run(

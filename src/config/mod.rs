@@ -131,9 +131,78 @@ pub struct KafkaSettings {
 pub struct AuthSettings {
     pub admin_token: SecretString,
     pub user_token_secret: SecretString,
+    /// HS256 user tokens signed with `user_token_secret` are accepted; false when
+    /// an identity provider signs every user token.
+    pub hs256: bool,
     /// User tokens kept as verified (subject and expiry) per process; 0 verifies
     /// every request in full.
     pub verified_tokens: usize,
+    /// Clock skew allowed on `exp` and `nbf`, in seconds.
+    pub leeway_secs: u64,
+    /// The identity provider's JWKS document (`https://…`); none when absent.
+    #[serde(default)]
+    pub jwks_url: Option<String>,
+    /// Public keys of the identity provider as PEM files (RSA or EC P-256/P-384);
+    /// a file's name without its extension is its `kid`. As an environment
+    /// variable, a comma-separated list.
+    #[serde(default)]
+    pub public_keys: Vec<PathBuf>,
+    /// When set, an identity provider's token must carry this `iss`.
+    #[serde(default)]
+    pub issuer: Option<String>,
+    /// When set, an identity provider's token must carry this `aud`.
+    #[serde(default)]
+    pub audience: Option<String>,
+    /// How often the JWKS is fetched again while all goes well.
+    pub jwks_refresh_secs: u64,
+    /// A token with an unknown `kid` fetches the JWKS at most once per this.
+    pub jwks_min_refresh_secs: u64,
+    /// How long one fetch of the JWKS may take.
+    pub jwks_timeout_ms: u64,
+}
+
+impl AuthSettings {
+    /// Whether tokens signed by an identity provider are accepted.
+    pub fn has_identity_provider(&self) -> bool {
+        self.jwks_url.is_some() || !self.public_keys.is_empty()
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        if self.admin_token.expose_secret().len() < 16 {
+            bail!("auth.admin_token must be at least 16 characters");
+        }
+        if self.hs256 && self.user_token_secret.expose_secret().len() < 16 {
+            bail!("auth.user_token_secret must be at least 16 characters (or set auth.hs256 = false to refuse HS256 user tokens)");
+        }
+        if !self.hs256 && !self.has_identity_provider() {
+            bail!("auth.hs256 is false and no identity provider is configured (auth.jwks_url or auth.public_keys): no user token could be verified");
+        }
+        if let Some(url) = &self.jwks_url {
+            let parsed = reqwest::Url::parse(url)
+                .with_context(|| format!("auth.jwks_url {url:?} is not a URL"))?;
+            let host = parsed.host_str().unwrap_or_default();
+            match parsed.scheme() {
+                "https" => {}
+                "http" if is_loopback(host) => {}
+                _ => bail!("auth.jwks_url must be an https URL (http only on a loopback host): keys fetched in clear text could be swapped on the way"),
+            }
+        }
+        for (key, value) in [
+            ("auth.issuer", &self.issuer),
+            ("auth.audience", &self.audience),
+        ] {
+            if value.as_deref().is_some_and(|v| v.trim().is_empty()) {
+                bail!("{key} must not be empty: leave it out to accept any");
+            }
+        }
+        if self.jwks_min_refresh_secs == 0 || self.jwks_timeout_ms == 0 {
+            bail!("auth.jwks_min_refresh_secs and auth.jwks_timeout_ms must be positive");
+        }
+        if self.jwks_refresh_secs < self.jwks_min_refresh_secs {
+            bail!("auth.jwks_refresh_secs must be at least auth.jwks_min_refresh_secs");
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -199,6 +268,7 @@ impl Settings {
                     .separator("__")
                     .list_separator(",")
                     .with_list_parse_key("server.trusted_proxies")
+                    .with_list_parse_key("auth.public_keys")
                     .try_parsing(true),
             )
             .build()
@@ -260,11 +330,7 @@ impl Settings {
         if self.consumer.batch_size == 0 {
             bail!("consumer.batch_size must be at least 1");
         }
-        if self.auth.admin_token.expose_secret().len() < 16
-            || self.auth.user_token_secret.expose_secret().len() < 16
-        {
-            bail!("auth.admin_token and auth.user_token_secret must be at least 16 characters");
-        }
+        self.auth.validate()?;
         Ok(())
     }
 
@@ -281,7 +347,9 @@ impl Settings {
                 "auth.admin_token (FLASHSALE__AUTH__ADMIN_TOKEN)",
             ),
             (
-                self.auth.user_token_secret.expose_secret() == DEV_USER_TOKEN_SECRET,
+                // With HS256 off the secret verifies nothing, whatever it is.
+                self.auth.hs256
+                    && self.auth.user_token_secret.expose_secret() == DEV_USER_TOKEN_SECRET,
                 "auth.user_token_secret (FLASHSALE__AUTH__USER_TOKEN_SECRET)",
             ),
         ]
@@ -465,6 +533,43 @@ mod tests {
         ] {
             assert!(!is_loopback(no), "{no}");
         }
+    }
+
+    #[test]
+    fn identity_provider_settings() {
+        let dev = Settings::load_from(&config_dir(), "development").expect("default config loads");
+        assert!(dev.auth.hs256);
+        assert_eq!(dev.auth.leeway_secs, 30);
+        assert!(!dev.auth.has_identity_provider());
+        // HS256 off needs an identity provider.
+        let mut s = dev.clone();
+        s.auth.hs256 = false;
+        let err = s.validate().expect_err("no way to verify a user");
+        assert!(err.to_string().contains("auth.jwks_url"), "{err}");
+        s.auth.jwks_url =
+            Some("https://idp.example.com/realms/shop/protocol/openid-connect/certs".into());
+        s.validate().expect("an https JWKS is fine");
+        // With HS256 off, the published secret verifies nothing: not refused.
+        s.server.addr = "0.0.0.0:8080".into();
+        s.auth.admin_token = SecretString::from("an-operator-chosen-admin-token");
+        assert!(s.check_published_secrets("production").is_ok());
+        // Keys in clear text only from this machine.
+        for (url, ok) in [
+            ("http://127.0.0.1:8081/jwks.json", true),
+            ("http://localhost/jwks.json", true),
+            ("http://idp.example.com/jwks.json", false),
+            ("ftp://idp.example.com/jwks.json", false),
+            ("not a url", false),
+        ] {
+            s.auth.jwks_url = Some(url.into());
+            assert_eq!(s.validate().is_ok(), ok, "{url}");
+        }
+        let mut s = dev.clone();
+        s.auth.issuer = Some(" ".into());
+        assert!(s.validate().is_err());
+        let mut s = dev.clone();
+        s.auth.jwks_min_refresh_secs = 0;
+        assert!(s.validate().is_err());
     }
 
     #[test]

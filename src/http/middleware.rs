@@ -29,7 +29,7 @@ pub async fn require_user(
     mut req: Request,
     next: Next,
 ) -> Result<Response<Body>, AppError> {
-    let user = state.auth.user(req.headers())?;
+    let user = state.auth.user(req.headers()).await?;
     Span::current().record("user_id", &*user.id);
     req.extensions_mut().insert(user);
     Ok(next.run(req).await)

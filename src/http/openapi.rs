@@ -40,7 +40,7 @@ use crate::error::ErrorBody;
     components(schemas(ErrorBody, super::ops::Role)),
     modifiers(&BearerTokens),
     tags(
-        (name = "users", description = "Buyers, with a user JWT (HS256, `sub` = user id, `exp` required)"),
+        (name = "users", description = "Buyers, with a user JWT (HS256 with the service's secret, or RS256/ES256 from the identity provider; `sub` = user id, `exp` required)"),
         (name = "operators", description = "Operators, with the admin token"),
         (name = "operations", description = "Probes, metrics, documents and pages: no token"),
     )

@@ -1,0 +1,86 @@
+//! Tokens this process has verified in full, with their subject and expiry, so
+//! a user's next click costs one SHA-256 of the token and one hash lookup
+//! instead of a signature check and two JSON parses (the cache of verified JWTs
+//! API gateways keep), whatever algorithm verified the token first.
+//!
+//! Only a token that passed every check enters; a hit checks the expiry again.
+//! The key is the token's SHA-256, not the token: an identity provider's RS256
+//! token runs to a kilobyte, and a million remembered ones would hold a
+//! gigabyte; a digest holds 32 bytes, and SHA-256 keeps two tokens from ever
+//! sharing an entry. Bounded: emptied when full, and emptied when the identity
+//! provider withdraws a key (a token it signed is then verified again, and
+//! refused).
+//!
+//! Memory: an entry is the 32-byte digest, the user id (an `Arc<str>`: 16
+//! bytes, and a heap block of 16 bytes + the id, 32 to 80 bytes) and the expiry
+//! (8 bytes), in a table that keeps up to 1/8 of its slots free and doubles as
+//! it grows: about 150 bytes an entry at the bound (docs/DESIGN.md).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use sha2::{Digest, Sha256};
+
+use super::User;
+
+pub(super) struct Verified {
+    capacity: usize,
+    /// SHA-256 of the token → (user id, expiry in seconds since the epoch).
+    tokens: Mutex<HashMap<[u8; 32], (Arc<str>, i64)>>,
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    let mut key = [0u8; 32];
+    key.copy_from_slice(&Sha256::digest(token.as_bytes()));
+    key
+}
+
+impl Verified {
+    /// Keeps at most `capacity` tokens; 0 keeps none.
+    pub(super) fn new(capacity: usize) -> Self {
+        Verified {
+            capacity,
+            tokens: Mutex::default(),
+        }
+    }
+
+    /// The user of a token verified before and not expired at `oldest_exp`.
+    pub(super) fn get(&self, token: &str, oldest_exp: i64) -> Option<User> {
+        if self.capacity == 0 {
+            return None;
+        }
+        let key = digest(token);
+        // A poisoned lock only means a thread panicked between two statements
+        // of `put`/`clear`, each of which leaves the map whole.
+        let tokens = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
+        match tokens.get(&key) {
+            Some((id, exp)) if *exp >= oldest_exp => Some(User { id: id.clone() }),
+            _ => None,
+        }
+    }
+
+    pub(super) fn put(&self, token: &str, user: &User, exp: i64) {
+        if self.capacity == 0 {
+            return;
+        }
+        let key = digest(token);
+        let mut tokens = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
+        if tokens.len() >= self.capacity {
+            tokens.clear();
+        }
+        tokens.insert(key, (user.id.clone(), exp));
+    }
+
+    /// Forgets every token (a key they may have been verified with is gone).
+    pub(super) fn clear(&self) {
+        self.tokens
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.tokens.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
