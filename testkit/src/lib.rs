@@ -5,6 +5,8 @@
 //!
 //! - [`api`]: the service's endpoints, one method each, as a client calls them;
 //! - [`database`]: a test's own MySQL database, dropped when the test is done;
+//! - [`identity`]: an identity provider: test-only keys signing RS256/ES256
+//!   tokens, and a JWKS endpoint a test can rotate, break or stop;
 //! - [`process`]: real processes on loopback (the `flashsale` binary, and a Redis,
 //!   replica, MariaDB or broker of a test's own), killable, pausable, restartable;
 //! - [`relay`]: a TCP relay a test can cut or point elsewhere (an outage, a
@@ -18,6 +20,7 @@ pub mod api;
 pub mod availability;
 pub mod browser;
 pub mod database;
+pub mod identity;
 pub mod invariants;
 pub mod process;
 pub mod relay;

@@ -29,6 +29,7 @@ use testkit::invariants::Answer;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 pub use testkit::api::Caller;
+pub use testkit::identity::IdentityProvider;
 pub use testkit::kafka_brokers;
 pub use testkit::relay::Relay;
 pub use testkit::sale::{Sale, SaleSpec};
@@ -212,6 +213,22 @@ impl TestAppBuilder {
     pub fn cache_refresh_ms(mut self, ms: u64) -> Self {
         self.settings.activities.refresh_interval_ms = ms;
         self
+    }
+
+    /// Any `auth.*` setting (HS256 off, PEM keys, refresh intervals).
+    pub fn auth(mut self, change: impl FnOnce(&mut flashsale::config::AuthSettings)) -> Self {
+        change(&mut self.settings.auth);
+        self
+    }
+
+    /// User tokens from `idp` too: its JWKS, issuer and audience.
+    pub fn identity_provider(self, idp: &IdentityProvider) -> Self {
+        let url = idp.jwks_url.clone();
+        self.auth(|auth| {
+            auth.jwks_url = Some(url);
+            auth.issuer = Some(testkit::identity::ISSUER.into());
+            auth.audience = Some(testkit::identity::AUDIENCE.into());
+        })
     }
 
     /// How long an admitted waiting-room user has to reserve.

@@ -5,6 +5,7 @@ mod admin;
 mod errors;
 mod gate;
 mod helpers;
+mod identity;
 mod openapi;
 mod openapi_copy;
 mod ops;
