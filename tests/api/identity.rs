@@ -236,22 +236,18 @@ async fn the_keys_in_hand_keep_working_while_the_provider_is_down() {
 
     // Each way of failing, answered at least twice to the refresher, then a
     // user never seen before (so verified with the kept key, not remembered).
-    let failures: [(&str, Box<dyn Fn()>); 3] = [
-        (
-            "an error status",
-            Box::new(|| idp.answer(Answer::Status(500))),
-        ),
-        ("garbage", Box::new(|| idp.answer(Answer::Garbage))),
-        (
-            "an empty key set",
-            Box::new(|| {
+    for (i, failure) in ["an error status", "garbage", "an empty key set"]
+        .into_iter()
+        .enumerate()
+    {
+        match i {
+            0 => idp.answer(Answer::Status(500)),
+            1 => idp.answer(Answer::Garbage),
+            _ => {
                 idp.publish(&[]);
                 idp.answer(Answer::Keys);
-            }),
-        ),
-    ];
-    for (i, (failure, fail)) in failures.iter().enumerate() {
-        fail();
+            }
+        }
         let seen = idp.requests();
         eventually(WAIT, failure, || async {
             (idp.requests() >= seen + 2).then_some(())
