@@ -20,6 +20,7 @@ pub mod browser;
 pub mod database;
 pub mod invariants;
 pub mod process;
+pub mod redis_watch;
 pub mod relay;
 pub mod rng;
 pub mod sale;
