@@ -59,7 +59,7 @@ fn layers(bits: u64) -> impl Iterator<Item = (u64, u64)> {
     (0..LAYERS)
         .map(|i| {
             let offset = HEADER_BITS + BASE * BITS * ((1 << i) - 1);
-            (offset, BASE * BITS << i)
+            (offset, (BASE * BITS) << i)
         })
         .take_while(move |(offset, _)| *offset < bits)
 }

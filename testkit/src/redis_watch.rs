@@ -69,7 +69,10 @@ impl RedisWatch {
             let mut stream = TcpStream::connect(&node)
                 .await
                 .unwrap_or_else(|e| panic!("connect to {node} to MONITOR: {e}"));
-            stream.write_all(b"MONITOR\r\n").await.expect("MONITOR sent");
+            stream
+                .write_all(b"MONITOR\r\n")
+                .await
+                .expect("MONITOR sent");
             let mut reader = BufReader::new(stream);
             let mut ok = String::new();
             reader.read_line(&mut ok).await.expect("MONITOR answered");

@@ -260,8 +260,7 @@ async fn a_sale_with_many_buyers_is_gated_by_their_filter() {
     assert_eq!(resp.status(), StatusCode::OK);
     let after = ruled_out.first().expect("a ruled-out user");
     eventually(WAIT, "the top-up's unit sold", || async {
-        (app.reserve(&sale.sku, after, None).await.status() == StatusCode::ACCEPTED)
-            .then_some(())
+        (app.reserve(&sale.sku, after, None).await.status() == StatusCode::ACCEPTED).then_some(())
     })
     .await;
     let buyer = buyers.first().expect("a buyer");
@@ -349,9 +348,11 @@ async fn a_sale_without_a_complete_filter_is_not_gated() {
         )
         .await;
     }
-    eventually(Duration::from_secs(5), "a reading of the filter", || async {
-        (app.state.stock.sold_out_gate_readings() > before).then_some(())
-    })
+    eventually(
+        Duration::from_secs(5),
+        "a reading of the filter",
+        || async { (app.state.stock.sold_out_gate_readings() > before).then_some(()) },
+    )
     .await;
     // The reading found no filter: the gate stays open, every answer from Redis.
     assert!(!app.state.stock.sold_out_from_memory(&sale.id, "anyone"));

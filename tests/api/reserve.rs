@@ -383,5 +383,9 @@ async fn what_a_winning_reservation_costs_redis() {
     assert_eq!(reserve_commands, RESERVE * reserves, "{by_command:?}");
     assert_eq!(acks, units as usize);
     assert_eq!(ack_commands, ACKNOWLEDGE * acks, "{by_command:?}");
-    assert_eq!(confirm_commands, CONFIRM_A_BATCH * batches, "{by_command:?}");
+    assert_eq!(
+        confirm_commands,
+        CONFIRM_A_BATCH * batches,
+        "{by_command:?}"
+    );
 }

@@ -499,14 +499,18 @@ async fn a_split_sale_is_gated_by_every_shards_filter() {
 
 async fn gated_on_filters(app: &TestApp, sale: &Sale, reservations: &HashMap<String, Value>) {
     assert_error(
-        app.reserve(&sale.sku, &testkit::unique("refused-"), None).await,
+        app.reserve(&sale.sku, &testkit::unique("refused-"), None)
+            .await,
         StatusCode::CONFLICT,
         "sold_out",
     )
     .await;
     app.wait_gate_shut(&sale.id).await;
     for (user, rid) in reservations {
-        assert!(!app.state.stock.sold_out_from_memory(&sale.id, user), "{user}");
+        assert!(
+            !app.state.stock.sold_out_from_memory(&sale.id, user),
+            "{user}"
+        );
         let body = assert_error(
             app.reserve(&sale.sku, user, None).await,
             StatusCode::CONFLICT,
