@@ -539,7 +539,7 @@ pub async fn reconcile_once(
 }
 
 async fn prune_rate_limiters(limiters: RateLimiters, shutdown: CancellationToken) {
-    periodic::every(Duration::from_secs(60), shutdown, || async {
+    periodic::every(limiters.prune_every(), shutdown, || async {
         limiters.prune()
     })
     .await;

@@ -137,6 +137,8 @@ fn rate_limited(err: GovernorError) -> Response<Body> {
 pub struct RateLimiters {
     per_ip: Option<Arc<GovernorConfig<ClientIpKeyExtractor, NoOpMiddleware>>>,
     per_user: Option<Arc<GovernorConfig<UserKeyExtractor, NoOpMiddleware>>>,
+    /// The shorter time an empty bucket of either takes to fill up again.
+    refill: Option<Duration>,
 }
 
 /// One token every `1 / per_sec` seconds.
@@ -166,7 +168,23 @@ impl RateLimiters {
             })
             .flatten()
             .map(Arc::new);
-        RateLimiters { per_ip, per_user }
+        let refill = |per_sec: u32, burst: u32| period(per_sec) * burst;
+        let refill = [
+            per_ip
+                .as_ref()
+                .map(|_| refill(settings.per_ip_per_sec, settings.per_ip_burst)),
+            per_user
+                .as_ref()
+                .map(|_| refill(settings.per_user_per_sec, settings.per_user_burst)),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        RateLimiters {
+            per_ip,
+            per_user,
+            refill,
+        }
     }
 
     pub fn per_ip_layer(
@@ -183,8 +201,25 @@ impl RateLimiters {
             .map(|c| GovernorLayer::new(c).error_handler(rate_limited))
     }
 
+    /// How often to [`prune`](Self::prune): the shorter time a bucket takes to
+    /// fill up again from empty (burst × period), within 1 s and 60 s. A key
+    /// pruned is one whose bucket is full again (below), so after each pruning
+    /// a limiter keeps only the clients allowed a request within about one
+    /// refill time, and between prunings adds those seen since: at most the
+    /// clients active within about two refill times (5 s for users, 4 s for
+    /// IPs with the defaults), whatever the number of clients ever seen.
+    pub fn prune_every(&self) -> Duration {
+        self.refill
+            .unwrap_or(Duration::from_secs(60))
+            .clamp(Duration::from_secs(1), Duration::from_secs(60))
+    }
+
     /// Forgets buckets that are full again, so memory follows the active clients,
-    /// not every client ever seen.
+    /// not every client ever seen. Lossless: governor's `retain_recent` drops a
+    /// key only when its theoretical arrival time is at least one period in the
+    /// past, and a bucket in that state admits exactly what a fresh one does (a
+    /// full burst), so a client over their limit is never forgotten while it
+    /// still limits them.
     pub fn prune(&self) {
         if let Some(c) = &self.per_ip {
             c.limiter().retain_recent();
@@ -194,5 +229,76 @@ impl RateLimiters {
             c.limiter().retain_recent();
             c.limiter().shrink_to_fit();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limiters(per_user_per_sec: u32, per_user_burst: u32) -> RateLimiters {
+        RateLimiters::new(&RateLimitSettings {
+            per_ip_per_sec: 0,
+            per_ip_burst: 0,
+            per_user_per_sec,
+            per_user_burst,
+        })
+    }
+
+    fn allowed(l: &RateLimiters, user: &str) -> bool {
+        let c = l.per_user.as_ref().expect("a per-user limiter");
+        c.limiter().check_key(&Arc::from(user)).is_ok()
+    }
+
+    fn users(l: &RateLimiters) -> usize {
+        l.per_user.as_ref().map_or(0, |c| c.limiter().len())
+    }
+
+    /// A user at their limit is still limited right after a pruning: their
+    /// bucket is not full, so it is kept.
+    #[test]
+    fn pruning_never_lets_a_limited_user_through() {
+        let l = limiters(1, 3);
+        for _ in 0..3 {
+            assert!(allowed(&l, "greedy"));
+        }
+        assert!(!allowed(&l, "greedy"), "the burst is spent");
+        l.prune();
+        assert_eq!(users(&l), 1, "a bucket that is not full is kept");
+        assert!(!allowed(&l, "greedy"), "still limited after the pruning");
+        assert!(allowed(&l, "another"), "another user has their own bucket");
+    }
+
+    /// Buckets full again are forgotten: memory follows the active users.
+    #[test]
+    fn pruning_forgets_full_buckets_only() {
+        // One token every 5 ms, a burst of 2: full again 15 ms after the last
+        // request at most.
+        let l = limiters(200, 2);
+        for i in 0..1_000 {
+            assert!(allowed(&l, &format!("user-{i}")));
+        }
+        assert!(allowed(&l, "active"));
+        assert!(allowed(&l, "active"));
+        assert!(!allowed(&l, "active"));
+        assert_eq!(users(&l), 1_001);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while users(&l) > 0 {
+            assert!(std::time::Instant::now() < deadline, "{} kept", users(&l));
+            std::thread::sleep(Duration::from_millis(5));
+            l.prune();
+        }
+        // Forgotten means fresh: a full burst again, as for a new user.
+        assert!(allowed(&l, "active"));
+        assert!(allowed(&l, "active"));
+        assert!(!allowed(&l, "active"));
+    }
+
+    #[test]
+    fn pruning_follows_the_refill_time() {
+        assert_eq!(limiters(2, 5).prune_every(), Duration::from_millis(2_500));
+        assert_eq!(limiters(1_000, 1).prune_every(), Duration::from_secs(1));
+        assert_eq!(limiters(1, 600).prune_every(), Duration::from_secs(60));
+        assert_eq!(limiters(0, 0).prune_every(), Duration::from_secs(60));
     }
 }

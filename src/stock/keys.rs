@@ -34,8 +34,11 @@ pub struct Keys {
     pub lent: String,
     /// Units this shard received from siblings: transfer id → units.
     pub received: String,
-    /// Bumped whenever units are added to `stock` (see `reserve.lua`).
+    /// Bumped whenever units are added to `stock` (see `reserve.lua`), or a
+    /// buyer is adopted (`confirm.lua`).
     pub restock: String,
+    /// The buyers' Bloom filter (see `filter.lua`).
+    pub filter: String,
 }
 
 impl Keys {
@@ -67,7 +70,7 @@ impl Keys {
     }
 
     /// `reserve.lua`'s KEYS, in its order.
-    pub fn reserve_script_keys(&self) -> [&str; 8] {
+    pub fn reserve_script_keys(&self) -> [&str; 9] {
         [
             &self.stock,
             &self.buyers,
@@ -77,6 +80,7 @@ impl Keys {
             &self.received,
             &self.epoch,
             &self.restock,
+            &self.filter,
         ]
     }
 
@@ -95,6 +99,7 @@ impl Keys {
             lent: format!("{base}:lent"),
             received: format!("{base}:received"),
             restock: format!("{base}:restock"),
+            filter: format!("{base}:filter"),
         }
     }
 }

@@ -12,8 +12,8 @@
 //!   running a script), shared with the waiting room;
 //! - `reserve`: reserving, with units borrowed between shards; `loans`: the
 //!   loans a borrower left half done;
-//! - `gate`: the sold-out gate's memory, `sold_out`: finding and reopening sold-out
-//!   sales; `dry`: the dry-sibling cache;
+//! - `gate`: the sold-out gate's memory, `filter`: the buyers' Bloom filter it
+//!   reads, `sold_out`: finding and reopening sold-out sales; `dry`: the dry-sibling cache;
 //! - `barrier`: the replica barrier;
 //! - `pending`: reservations awaiting MySQL's decision; `refund`: units going
 //!   back;
@@ -24,6 +24,7 @@ mod audit;
 mod barrier;
 mod conn;
 mod dry;
+mod filter;
 mod gate;
 mod keys;
 mod loans;

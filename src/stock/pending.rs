@@ -110,7 +110,9 @@ impl StockStore {
             let n: u64 = self
                 .run(
                     &self.confirm,
-                    &[&k.stock, &k.buyers, &k.pending, &k.res],
+                    &[
+                        &k.stock, &k.buyers, &k.pending, &k.res, &k.filter, &k.restock,
+                    ],
                     &args,
                 )
                 .await?;

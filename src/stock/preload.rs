@@ -69,6 +69,7 @@ impl StockStore {
                         &k.lent,
                         &k.received,
                         &k.restock,
+                        &k.filter,
                     ],
                     &args,
                 )

@@ -1,20 +1,21 @@
 //! Finding a sale sold out and reopening it: the store's side of the sold-out
-//! gate (`gate`), which reads the buyers once in the background and watches the
-//! restock counts.
+//! gate (`gate`), which reads the buyers' filters once in the background and
+//! watches the restock counts.
 
-use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
 use redis::{AsyncCommands, RedisResult};
 
-use super::gate::{Shut, GATE_MAX_BUYERS, GATE_SCAN_BATCH, SOLD_OUT_RECHECK};
+use super::filter::BuyerFilter;
+use super::gate::{Shut, SOLD_OUT_RECHECK};
 use super::keys::Keys;
 use super::store::StockStore;
 
 impl StockStore {
     /// Whether this instance's sold-out gate answers `user_id` from memory: the
-    /// sale was seen sold out, nothing came back since, and the user holds none of
-    /// it (a buyer must hear `already_reserved`). Costs one lock and two lookups.
+    /// sale was seen sold out, nothing came back since, and the buyers' filters
+    /// rule the user out (a buyer must hear `already_reserved`). Costs one lock,
+    /// one lookup and, for a shut sale, one SHA-1 of the user id.
     pub fn sold_out_from_memory(&self, activity_id: &str, user_id: &str) -> bool {
         let refused = self.gate.refuses(activity_id, user_id);
         if refused {
@@ -23,11 +24,16 @@ impl StockStore {
         refused
     }
 
-    /// How many times this instance read a sold-out sale's buyers to shut its
-    /// gate: once per sell-out (and per reopening), however many requests
-    /// found it sold out.
+    /// How many times this instance read a sold-out sale's filters to shut its
+    /// gate (readings ended, shut or not): once per sell-out (and per
+    /// reopening), however many requests found it sold out.
     pub fn sold_out_gate_readings(&self) -> usize {
         self.gate.readings.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of buyers' filters this instance holds for the sales it keeps shut.
+    pub fn sold_out_gate_bytes(&self) -> usize {
+        self.gate.filter_bytes()
     }
 
     /// Shuts the gate of a sale found sold out (`restock`: each shard's restock
@@ -40,65 +46,49 @@ impl StockStore {
         let store = self.clone();
         let activity_id = activity_id.to_owned();
         tokio::spawn(async move {
-            let (found, too_large) = match store.read_buyers(&activity_id, shards, restock).await {
-                Ok(read) => read,
+            let found = match store.read_filters(&activity_id, shards, restock).await {
+                Ok(found) => found,
                 Err(err) => {
                     tracing::debug!(%activity_id, error = %err, "the sold-out gate stays open");
-                    (None, false)
+                    None
                 }
             };
-            store.gate.end_closing(&activity_id, found, too_large);
+            store.gate.end_closing(&activity_id, found);
         });
     }
 
-    /// Reads the buyers of a sale found sold out, a batch at a time: what to
-    /// shut its gate with, unless a restock count moved meanwhile (a unit came
-    /// back, and with it maybe a buyer the reading missed) or a shard's buyers
-    /// number other than what was read (the scan spanned a failover); and
-    /// whether the sale has too many buyers to gate at all.
-    async fn read_buyers(
+    /// Reads the buyers' filter of every shard of a sale found sold out (one
+    /// `GET` each): what to shut its gate with, unless a shard has no complete
+    /// filter (a sale loaded before filters were kept) or a restock count moved
+    /// meanwhile (a unit came back, a buyer was adopted or the sale rebuilt: a
+    /// buyer the filters read may lack).
+    ///
+    /// Why no buyer is missed: a buyer is recorded only with a unit in the
+    /// shard's stock (`reserve.lua`), by a build (`preload.lua`) or by an
+    /// adoption (`confirm.lua`); the counts were read with every shard empty, a
+    /// unit added since, a build and an adoption all bump them, and each of
+    /// these writes the buyer's filter bits in the same atomic step as the
+    /// buyer. So counts unchanged after the reading mean the filters read hold
+    /// every buyer there is.
+    async fn read_filters(
         &self,
         activity_id: &str,
         shards: u8,
         restock: Vec<(String, i64)>,
-    ) -> RedisResult<(Option<Shut>, bool)> {
-        self.gate.readings.fetch_add(1, Ordering::Relaxed);
+    ) -> RedisResult<Option<Shut>> {
         let mut conn = self.conn.clone();
-        let keys = Keys::all(activity_id, shards);
-        let mut total = 0;
-        for k in &keys {
-            total += conn.hlen::<_, usize>(&k.buyers).await?;
-        }
-        if total > GATE_MAX_BUYERS {
-            return Ok((None, true));
-        }
-        let mut buyers = HashSet::with_capacity(total);
-        for k in &keys {
-            let before = buyers.len();
-            let mut cursor: u64 = 0;
-            loop {
-                let (next, batch): (u64, Vec<String>) = redis::cmd("HSCAN")
-                    .arg(&k.buyers)
-                    .arg(cursor)
-                    .arg("COUNT")
-                    .arg(GATE_SCAN_BATCH)
-                    .query_async(&mut conn)
-                    .await?;
-                // Field, value, field, value…: the fields are the buyers.
-                buyers.extend(batch.into_iter().step_by(2));
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
-            }
-            if conn.hlen::<_, usize>(&k.buyers).await? != buyers.len() - before {
-                return Ok((None, false));
+        let mut filters = Vec::with_capacity(usize::from(shards.max(1)));
+        for k in Keys::all(activity_id, shards) {
+            let bytes: Option<Vec<u8>> = conn.get(&k.filter).await?;
+            match BuyerFilter::read(bytes) {
+                Some(f) => filters.push(f),
+                None => return Ok(None),
             }
         }
         if !self.restock_unchanged(&restock).await {
-            return Ok((None, false));
+            return Ok(None);
         }
-        Ok((Some(Shut { restock, buyers }), false))
+        Ok(Some(Shut { restock, filters }))
     }
 
     /// Reopens the sales this instance keeps shut once any of their shards'

@@ -39,10 +39,16 @@ impl StockStore {
             barrier: None,
             reserve: Lua::new(include_str!("reserve.lua")),
             refund: Lua::new(include_str!("refund.lua")),
-            preload: Lua::new(include_str!("preload.lua")),
+            preload: Lua::new(concat!(
+                include_str!("filter.lua"),
+                include_str!("preload.lua")
+            )),
             audit: Lua::new(include_str!("audit.lua")),
             fate: Lua::new(include_str!("fate.lua")),
-            confirm: Lua::new(include_str!("confirm.lua")),
+            confirm: Lua::new(concat!(
+                include_str!("filter.lua"),
+                include_str!("confirm.lua")
+            )),
             lower: Lua::new(include_str!("lower.lua")),
             lend: Lua::new(include_str!("lend.lua")),
             receive: Lua::new(include_str!("receive.lua")),

@@ -23,6 +23,7 @@ pub mod database;
 pub mod identity;
 pub mod invariants;
 pub mod process;
+pub mod redis_watch;
 pub mod relay;
 pub mod rng;
 pub mod sale;

@@ -1,12 +1,15 @@
 //! The sold-out gate: once a sale is sold out, an instance answers `sold_out` from
 //! memory, and units that come back are sold again within its recheck bound.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use flashsale::stock::RefundMode;
+use futures::StreamExt;
 use reqwest::StatusCode;
+use serde_json::{json, Value};
 
-use crate::helpers::{assert_error, eventually, spawn_app, Flood, Sale, TestApp};
+use crate::helpers::{assert_error, eventually, spawn_app, Flood, Sale, TestApp, WAIT};
 
 #[tokio::test]
 async fn a_sold_out_sale_is_answered_from_memory() {
@@ -32,7 +35,8 @@ async fn a_sold_out_sale_is_answered_from_memory() {
     )
     .await;
     assert_eq!(body["reservation_id"], reservation_id);
-    // The gate shuts once this instance has read the buyers, in the background.
+    // The gate shuts once this instance has read the buyers' filter, in the
+    // background.
     app.wait_gate_shut(&sale.id).await;
     // Take the sale's stock away from Redis: a request that reached the reserve
     // script now would be answered 503 (not loaded). Every one is 409 sold_out.
@@ -131,8 +135,8 @@ async fn return_from_another_instance(
 }
 
 /// Hundreds of requests discovering the sell-out at once cost Redis one reading
-/// of the buyers (a batched scan in the background), not one full copy each;
-/// buyers asking meanwhile still learn their reservation.
+/// of the buyers' filter (in the background), not one each; buyers asking
+/// meanwhile still learn their reservation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_sell_out_is_discovered_once_per_instance() {
     let app = spawn_app().await;
@@ -158,4 +162,205 @@ async fn the_sell_out_is_discovered_once_per_instance() {
     for u in &buyers {
         assert!(!app.state.stock.sold_out_from_memory(&sale.id, u), "{u}");
     }
+}
+
+/// Sends `users`' reserve requests, 32 at a time; (user, status, body) each.
+async fn ask(app: &TestApp, sku: &str, users: &[String]) -> Vec<(String, StatusCode, Value)> {
+    futures::stream::iter(users)
+        .map(|u| async move {
+            let resp = app.reserve(sku, u, None).await;
+            let status = resp.status();
+            let body: Value = resp.json().await.expect("a JSON answer");
+            (u.clone(), status, body)
+        })
+        .buffer_unordered(32)
+        .collect()
+        .await
+}
+
+/// The commands Redis ran for the sale besides the gate's own recheck of the
+/// restock counts (`GET …:restock`, every `SOLD_OUT_RECHECK`, not per request).
+fn requests_commands(lines: Vec<String>) -> Vec<String> {
+    lines
+        .into_iter()
+        .filter(|l| !(l.contains("\"GET\"") && l.contains(":restock\"")))
+        .collect()
+}
+
+/// A sale sold out to more buyers than the filter's first layer holds: the gate
+/// shuts on the buyers' filter (a few kilobytes, not the buyers), every buyer
+/// asking again still reaches Redis and hears `already_reserved` with their
+/// reservation, users the filter rules out are answered without a single Redis
+/// command naming the sale, and a top-up reopens it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sale_with_many_buyers_is_gated_by_their_filter() {
+    let app = spawn_app().await;
+    let units = 1_500;
+    let sale = app.open_sale(units, 1).await;
+    let won = app.crowd(&sale.sku, units as usize, 1, 32).await;
+    let mut reservations = HashMap::new();
+    for (user, status, body) in won {
+        assert_eq!(status, StatusCode::ACCEPTED, "{user}: {body}");
+        reservations.insert(user, body["reservation_id"].clone());
+    }
+    assert_error(
+        app.reserve(&sale.sku, "first-refused", None).await,
+        StatusCode::CONFLICT,
+        "sold_out",
+    )
+    .await;
+    app.wait_gate_shut(&sale.id).await;
+    // 1,024 buyers in layer 0 and the rest in layer 1, 16 bits each: the
+    // filter's size follows the units, however many users ask.
+    let bytes = app.state.stock.sold_out_gate_bytes();
+    assert!(bytes <= 1 + 3 * 1024 * 16 / 8, "{bytes} bytes");
+
+    let others: Vec<String> = (0..3_000).map(|i| format!("other-{i}")).collect();
+    let (ruled_out, maybe): (Vec<String>, Vec<String>) = others
+        .into_iter()
+        .partition(|u| app.state.stock.sold_out_from_memory(&sale.id, u));
+    assert!(
+        maybe.len() <= 30,
+        "{} of 3,000 non-buyers not ruled out",
+        maybe.len()
+    );
+    for u in reservations.keys() {
+        assert!(!app.state.stock.sold_out_from_memory(&sale.id, u), "{u}");
+    }
+
+    let watch = app.watch_redis(&sale).await;
+    for (user, status, body) in ask(&app, &sale.sku, &ruled_out).await {
+        assert_eq!(status, StatusCode::CONFLICT, "{user}: {body}");
+        assert_eq!(body["code"], "sold_out", "{user}");
+    }
+    let commands = requests_commands(app.watched(&sale, watch).await);
+    assert!(
+        commands.is_empty(),
+        "{} ruled-out non-buyers cost Redis {} commands: {:?}",
+        ruled_out.len(),
+        commands.len(),
+        &commands[..commands.len().min(5)]
+    );
+
+    // Every buyer, clicking again, goes to Redis and learns their reservation.
+    let buyers: Vec<String> = reservations.keys().cloned().collect();
+    for (user, status, body) in ask(&app, &sale.sku, &buyers).await {
+        assert_eq!(status, StatusCode::CONFLICT, "{user}: {body}");
+        assert_eq!(body["code"], "already_reserved", "{user}");
+        assert_eq!(body["reservation_id"], reservations[&user], "{user}");
+    }
+    // The few the filter could not rule out are answered by Redis, exactly.
+    for (user, status, body) in ask(&app, &sale.sku, &maybe).await {
+        assert_eq!(status, StatusCode::CONFLICT, "{user}: {body}");
+        assert_eq!(body["code"], "sold_out", "{user}");
+    }
+
+    // A top-up reopens the sale: a new user buys, a buyer is still a buyer.
+    let resp = app.top_up(&sale.id, json!({"add": 1})).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let after = ruled_out.first().expect("a ruled-out user");
+    eventually(WAIT, "the top-up's unit sold", || async {
+        (app.reserve(&sale.sku, after, None).await.status() == StatusCode::ACCEPTED).then_some(())
+    })
+    .await;
+    let buyer = buyers.first().expect("a buyer");
+    let body = assert_error(
+        app.reserve(&sale.sku, buyer, None).await,
+        StatusCode::CONFLICT,
+        "already_reserved",
+    )
+    .await;
+    assert_eq!(body["reservation_id"], reservations[buyer]);
+}
+
+/// A buyer Redis did not know, adopted from MySQL's order by the consumer's
+/// confirmation (`confirm.lua`), is added to the filter and bumps the restock
+/// count: a shut gate reopens, reads the filter again, and never tells the
+/// adopted buyer `sold_out`.
+#[tokio::test]
+async fn an_adopted_buyer_is_never_refused_from_memory() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(2, 1).await;
+    for u in ["w0", "w1"] {
+        app.reserve_accepted(&sale.sku, u).await;
+    }
+    assert_error(
+        app.reserve(&sale.sku, "refused", None).await,
+        StatusCode::CONFLICT,
+        "sold_out",
+    )
+    .await;
+    app.wait_gate_shut(&sale.id).await;
+    let adopted = (0..)
+        .map(|i| format!("adopted-{i}"))
+        .find(|u| app.state.stock.sold_out_from_memory(&sale.id, u))
+        .expect("a user the filter rules out");
+    let rid = flashsale::stock::new_reservation_id(&adopted, 1);
+    let n = app
+        .state
+        .stock
+        .confirm(&sale.id, &[(rid.clone(), adopted.clone(), 1)])
+        .await
+        .expect("confirm");
+    assert_eq!(n, 1, "adopted");
+    eventually(Duration::from_secs(5), "the gate reopened", || async {
+        (!app.state.stock.sold_out_from_memory(&sale.id, &adopted)).then_some(())
+    })
+    .await;
+    let body = assert_error(
+        app.reserve(&sale.sku, &adopted, None).await,
+        StatusCode::CONFLICT,
+        "already_reserved",
+    )
+    .await;
+    assert_eq!(body["reservation_id"], rid.as_str());
+    // Shut again, on a filter that holds the adopted buyer.
+    assert_error(
+        app.reserve(&sale.sku, "refused-again", None).await,
+        StatusCode::CONFLICT,
+        "sold_out",
+    )
+    .await;
+    app.wait_gate_shut(&sale.id).await;
+    assert!(!app.state.stock.sold_out_from_memory(&sale.id, &adopted));
+}
+
+/// A sale loaded without a filter (by a version that kept none), or whose
+/// filter lost its header, is never gated: its buyers could not be told apart.
+#[tokio::test]
+async fn a_sale_without_a_complete_filter_is_not_gated() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(1, 1).await;
+    app.reserve_accepted(&sale.sku, "w0").await;
+    let keys = flashsale::stock::Keys::new(&sale.id);
+    let mut conn = app.state.stock.connection();
+    let _: () = redis::cmd("DEL")
+        .arg(&keys.filter)
+        .query_async(&mut conn)
+        .await
+        .expect("DEL");
+    let before = app.state.stock.sold_out_gate_readings();
+    for i in 0..3 {
+        assert_error(
+            app.reserve(&sale.sku, &format!("late-{i}"), None).await,
+            StatusCode::CONFLICT,
+            "sold_out",
+        )
+        .await;
+    }
+    eventually(
+        Duration::from_secs(5),
+        "a reading of the filter",
+        || async { (app.state.stock.sold_out_gate_readings() > before).then_some(()) },
+    )
+    .await;
+    // The reading found no filter: the gate stays open, every answer from Redis.
+    assert!(!app.state.stock.sold_out_from_memory(&sale.id, "anyone"));
+    let body = assert_error(
+        app.reserve(&sale.sku, "w0", None).await,
+        StatusCode::CONFLICT,
+        "already_reserved",
+    )
+    .await;
+    assert!(body["reservation_id"].is_string());
 }

@@ -31,6 +31,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 pub use testkit::api::Caller;
 pub use testkit::identity::IdentityProvider;
 pub use testkit::kafka_brokers;
+pub use testkit::redis_watch::RedisWatch;
 pub use testkit::relay::Relay;
 pub use testkit::sale::{Sale, SaleSpec};
 pub use testkit::{eventually, unique};
@@ -609,6 +610,29 @@ impl TestApp {
             .expect("redis answers")
     }
 
+    /// Starts listing the commands Redis runs that name this sale (MONITOR on
+    /// every node; see `testkit::redis_watch`).
+    pub async fn watch_redis(&self, sale: &Sale) -> RedisWatch {
+        RedisWatch::start(&self.settings.redis.url, &sale.id).await
+    }
+
+    /// Stops `watch` once every command sent before this call was listed
+    /// (a marker `GET` on each shard's node) and returns what it saw.
+    pub async fn watched(&self, sale: &Sale, watch: RedisWatch) -> Vec<String> {
+        let mut conn = self.state.stock.connection();
+        let mut markers = Vec::new();
+        for k in flashsale::stock::Keys::all(&sale.id, sale.shards) {
+            let marker = format!("{}:marker-{}", k.stock, unique(""));
+            let _: Option<String> = redis::cmd("GET")
+                .arg(&marker)
+                .query_async(&mut conn)
+                .await
+                .expect("a marker GET");
+            markers.push(marker);
+        }
+        watch.until(&markers).await
+    }
+
     /// Order rows of an activity by status.
     pub async fn order_counts(&self, activity_id: &str) -> HashMap<String, i64> {
         self.state
@@ -674,12 +698,16 @@ impl TestApp {
     }
 
     /// Waits until this instance's sold-out gate is shut for the activity (it
-    /// shuts once the buyers are read, in the background).
+    /// shuts once the buyers' filters are read, in the background): a few
+    /// probe users, so that one the filters cannot rule out does not hide it.
     pub async fn wait_gate_shut(&self, activity_id: &str) {
         eventually(Duration::from_secs(5), "the gate shut", || async {
-            self.state
-                .stock
-                .sold_out_from_memory(activity_id, "probe")
+            (0..8)
+                .any(|i| {
+                    self.state
+                        .stock
+                        .sold_out_from_memory(activity_id, &format!("probe-{i}"))
+                })
                 .then_some(())
         })
         .await;

@@ -7,7 +7,9 @@ use flashsale::stock::{RefundMode, RefundOutcome};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
-use crate::helpers::{assert_error, eventually, read_topic, spawn_app, unique, OwnBroker, TestApp};
+use crate::helpers::{
+    assert_error, eventually, read_topic, spawn_app, unique, OwnBroker, TestApp, WAIT,
+};
 
 /// The seed's test: 100 users click twice, 200 concurrent requests for 10 units.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -258,4 +260,132 @@ async fn broker_down_answers_503_and_holds_no_stock() {
     .await;
     assert_eq!(body["code"], "unavailable", "{body}");
     app.stop().await;
+}
+
+/// One script call and the commands it ran, from `MONITOR` lines (a script's
+/// commands follow its call, uninterrupted, on its node).
+#[derive(Debug, Default)]
+struct ScriptRun {
+    /// `reserve`, `acknowledge` or `confirm`, told apart by the keys its
+    /// commands touch (the call's own line may quote a script's code).
+    name: &'static str,
+    /// The call itself and every command it ran.
+    commands: Vec<String>,
+    /// For `confirm`: the reservations whose pending marks it cleared.
+    confirmed: usize,
+}
+
+/// The quoted words of a `MONITOR` line that quotes no code: the command and
+/// its arguments.
+fn words(line: &str) -> Vec<&str> {
+    line.split('"').skip(1).step_by(2).collect()
+}
+
+/// The script runs among `lines` (a call answered `NOSCRIPT`, which ran
+/// nothing, is left out: the call sent again with its code follows), and the
+/// lines that belong to none.
+fn script_runs(lines: &[String]) -> (Vec<ScriptRun>, Vec<String>) {
+    let mut runs: Vec<(Vec<&String>, Vec<&String>)> = Vec::new();
+    let mut other = Vec::new();
+    for line in lines {
+        let command = words(line).first().map(|c| c.to_uppercase());
+        if matches!(command.as_deref(), Some("EVALSHA" | "EVAL")) {
+            runs.push((vec![line], Vec::new()));
+        } else if line.contains("[0 lua]") {
+            runs.last_mut()
+                .expect("a script's command after its call")
+                .1
+                .push(line);
+        } else {
+            other.push(line.clone());
+        }
+    }
+    let runs = runs
+        .into_iter()
+        .filter(|(_, inner)| !inner.is_empty())
+        .map(|(call, inner)| {
+            let touches = |key: &str| inner.iter().any(|l| l.contains(&format!("{key}\"")));
+            let name = if touches(":state") {
+                "reserve"
+            } else if touches(":pending") {
+                "confirm"
+            } else {
+                "acknowledge"
+            };
+            let mut commands = vec![words(call[0])[0].to_uppercase()];
+            let mut confirmed = 0;
+            for l in inner {
+                let w = words(l);
+                if w[0].eq_ignore_ascii_case("ZREM") {
+                    confirmed += w.len() - 2;
+                }
+                commands.push(w[0].to_uppercase());
+            }
+            ScriptRun {
+                name,
+                commands,
+                confirmed,
+            }
+        })
+        .collect();
+    (runs, other)
+}
+
+/// What one winning reservation costs Redis, end to end, counted by `MONITOR`
+/// (the commands scripts run included): the reserve script, the acknowledgement
+/// (its fate) before the `202`, and the consumer's confirmation once MySQL holds
+/// the order, shared by its batch. No other command names the sale: the gate,
+/// the window and the pending bookkeeping add none. docs/DESIGN.md ("What a
+/// winning reservation costs Redis") gives the list and why each is needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn what_a_winning_reservation_costs_redis() {
+    const RESERVE: usize = 9;
+    const ACKNOWLEDGE: usize = 3;
+    const CONFIRM_A_BATCH: usize = 5;
+    let app = TestApp::builder().workers().spawn().await;
+    let units = 100;
+    let sale = app.open_sale(units, 1).await;
+    let watch = app.watch_redis(&sale).await;
+    for (user, status, body) in app.crowd(&sale.sku, units as usize, 1, 16).await {
+        assert_eq!(status, StatusCode::ACCEPTED, "{user}: {body}");
+    }
+    eventually(WAIT, "every order confirmed in Redis", || async {
+        let (runs, _) = script_runs(&watch.seen());
+        let confirmed: usize = runs.iter().map(|r| r.confirmed).sum();
+        (confirmed >= units as usize).then_some(())
+    })
+    .await;
+    let lines = app.watched(&sale, watch).await;
+    let (runs, other) = script_runs(&lines);
+    let mut by_command: std::collections::BTreeMap<(&str, &str), usize> = Default::default();
+    for r in &runs {
+        for c in &r.commands {
+            *by_command.entry((r.name, c.as_str())).or_default() += 1;
+        }
+    }
+    let count = |name: &str| -> (usize, usize) {
+        let of: Vec<_> = runs.iter().filter(|r| r.name == name).collect();
+        (of.len(), of.iter().map(|r| r.commands.len()).sum())
+    };
+    let (reserves, reserve_commands) = count("reserve");
+    let (acks, ack_commands) = count("acknowledge");
+    let (batches, confirm_commands) = count("confirm");
+    let total = reserve_commands + ack_commands + confirm_commands + other.len();
+    println!(
+        "{units} winning reservations: {total} Redis commands, {:.2} a 202 \
+         (reserve {reserve_commands}, acknowledge {ack_commands}, confirm {confirm_commands} \
+         in {batches} batches, other {}); by script and command: {by_command:?}",
+        total as f64 / f64::from(units),
+        other.len()
+    );
+    assert!(other.is_empty(), "commands outside the scripts: {other:?}");
+    assert_eq!(reserves, units as usize);
+    assert_eq!(reserve_commands, RESERVE * reserves, "{by_command:?}");
+    assert_eq!(acks, units as usize);
+    assert_eq!(ack_commands, ACKNOWLEDGE * acks, "{by_command:?}");
+    assert_eq!(
+        confirm_commands,
+        CONFIRM_A_BATCH * batches,
+        "{by_command:?}"
+    );
 }

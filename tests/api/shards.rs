@@ -2,7 +2,7 @@
 //! counts as one shard, one purchase per user across shards, and units that move
 //! between shards without ever being lost or made.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use flashsale::stock::{home_shard, Keys, RefundMode, RefundOutcome};
 use redis::AsyncCommands;
@@ -467,4 +467,77 @@ async fn stock_shards_out_of_range_are_refused() {
     assert_eq!(resp.status(), StatusCode::CREATED);
     let body: Value = resp.json().await.expect("JSON");
     assert_eq!(body["stock_shards"], 64);
+}
+
+/// A split sale sold out is gated on every shard's buyers' filter: each buyer
+/// (on their home shard) still reaches Redis and hears `already_reserved`,
+/// users every filter rules out cost Redis no command. After a rebuild from
+/// MySQL (pause, preload, resume) the filters are written anew from the orders
+/// and the gate, shut again, still knows every buyer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_split_sale_is_gated_by_every_shards_filter() {
+    let app = TestApp::builder().workers().spawn().await;
+    let sale = app.open_sale_spec(&spec(60, 1, 3)).await;
+    let mut reservations = HashMap::new();
+    for (user, status, body) in app.crowd(&sale.sku, 60, 1, 16).await {
+        assert_eq!(status, StatusCode::ACCEPTED, "{user}: {body}");
+        reservations.insert(user, body["reservation_id"].clone());
+    }
+    app.wait_for_status(&sale.id, "pending_payment", 60).await;
+    app.wait_nothing_pending(&sale).await;
+    gated_on_filters(&app, &sale, &reservations).await;
+    for step in ["pause", "preload", "resume"] {
+        let resp = app.admin_step(&sale.id, step).await;
+        assert_eq!(resp.status(), StatusCode::OK, "{step}");
+    }
+    assert!(
+        !app.state.stock.sold_out_from_memory(&sale.id, "other-0"),
+        "a rebuild reopens the gate"
+    );
+    gated_on_filters(&app, &sale, &reservations).await;
+}
+
+async fn gated_on_filters(app: &TestApp, sale: &Sale, reservations: &HashMap<String, Value>) {
+    assert_error(
+        app.reserve(&sale.sku, &testkit::unique("refused-"), None)
+            .await,
+        StatusCode::CONFLICT,
+        "sold_out",
+    )
+    .await;
+    app.wait_gate_shut(&sale.id).await;
+    for (user, rid) in reservations {
+        assert!(
+            !app.state.stock.sold_out_from_memory(&sale.id, user),
+            "{user}"
+        );
+        let body = assert_error(
+            app.reserve(&sale.sku, user, None).await,
+            StatusCode::CONFLICT,
+            "already_reserved",
+        )
+        .await;
+        assert_eq!(&body["reservation_id"], rid, "{user}");
+    }
+    let ruled_out: Vec<String> = (0..200)
+        .map(|i| format!("other-{i}"))
+        .filter(|u| app.state.stock.sold_out_from_memory(&sale.id, u))
+        .collect();
+    assert!(ruled_out.len() >= 195, "{} ruled out", ruled_out.len());
+    let watch = app.watch_redis(sale).await;
+    for u in &ruled_out {
+        assert_error(
+            app.reserve(&sale.sku, u, None).await,
+            StatusCode::CONFLICT,
+            "sold_out",
+        )
+        .await;
+    }
+    let commands: Vec<String> = app
+        .watched(sale, watch)
+        .await
+        .into_iter()
+        .filter(|l| !(l.contains("\"GET\"") && l.contains(":restock\"")))
+        .collect();
+    assert!(commands.is_empty(), "{commands:?}");
 }
