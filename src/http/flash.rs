@@ -376,8 +376,8 @@ fn with_retry_after(
         (status = 503, description = "unavailable, with Retry-After", body = crate::error::ErrorBody),
     )
 )]
-/// `POST /flash/{sku}/queue`: joins the sale's waiting room, once (one Redis
-/// script call, which answers the place too).
+/// `POST /flash/{sku}/queue`: joins the sale's waiting room, once.
+// One Redis script call, which answers the place too.
 pub async fn join_queue(
     State(state): State<AppState>,
     Path(sku): Path<String>,
@@ -426,8 +426,9 @@ pub async fn join_queue(
         (status = 503, description = "unavailable, with Retry-After", body = crate::error::ErrorBody),
     )
 )]
-/// `GET /flash/{sku}/queue`: the user's place, from this instance's memory when
-/// it cannot have changed since Redis last said it, else in one Redis round trip.
+/// `GET /flash/{sku}/queue`: the user's place, in at most one Redis round trip.
+// From this instance's memory when it cannot have changed since Redis last
+// said it (src/waiting_room/view.rs).
 pub async fn queue_status(
     State(state): State<AppState>,
     Path(sku): Path<String>,

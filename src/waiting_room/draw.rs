@@ -146,13 +146,31 @@ impl WaitingRoom {
         if !self.hold_lease(&lease, token, "renew").await? {
             return Ok(None);
         }
-        let digest = digest(&input);
-        let header = claim_draw(&self.pool, &a.id, new_seed(), input.len(), &digest, token).await?;
-        if header.digest.as_deref().is_some_and(|d| d != digest) {
+        // Hashing and shuffling a million joiners takes a while: off the
+        // runtime's workers, so the admissions and polls go on meanwhile.
+        let (input, fingerprint) = tokio::task::spawn_blocking(move || {
+            let fingerprint = digest(&input);
+            (input, fingerprint)
+        })
+        .await
+        .context("the joiners' digest")?;
+        let header = claim_draw(
+            &self.pool,
+            &a.id,
+            new_seed(),
+            input.len(),
+            &fingerprint,
+            token,
+        )
+        .await?;
+        if header.digest.as_deref().is_some_and(|d| d != fingerprint) {
             tracing::error!(activity_id = %a.id, "the early joiners Redis holds differ from those drawn (a room rebuilt without some joins): the recorded places stand, the others follow in drawn order");
         }
         let prefix = load_entries(&self.pool, &a.id, header.recorded).await?;
-        let order = continue_order(prefix, input, header.seed);
+        let seed = header.seed;
+        let order = tokio::task::spawn_blocking(move || continue_order(prefix, input, seed))
+            .await
+            .context("drawing the order")?;
         self.write_places(
             &keys,
             &lease,

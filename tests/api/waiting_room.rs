@@ -191,8 +191,19 @@ async fn the_first_five_are_admitted_and_buy(app: &TestApp, id: &str, sku: &str,
         (room(app, id).await["admitted"] == 5).then_some(())
     })
     .await;
+    // A poll may be answered from a view of the room read up to
+    // `VIEW_MAX_AGE` before: each of them hears of their turn within it.
+    let within = flashsale::waiting_room::VIEW_MAX_AGE * 10;
     for u in first {
-        assert_eq!(place(app, sku, u).await["state"], "admitted", "{u}");
+        eventually(within, "admitted, as polled", || async {
+            let p = place(app, sku, u).await;
+            assert!(
+                p["state"] == "admitted" || p["state"] == "waiting",
+                "{u}: {p}"
+            );
+            (p["state"] == "admitted").then_some(())
+        })
+        .await;
     }
     let sixth = &drawn[5];
     let p = place(app, sku, sixth).await;
@@ -1162,7 +1173,12 @@ async fn measure_the_draw() {
         .split(',')
         .filter_map(|s| s.trim().parse().ok())
         .collect();
-    let app = spawn_app().await;
+    // A test build is unoptimised: a million joiners keep its two workers
+    // busy for a while, so Redis's answers may wait longer than in service.
+    let app = TestApp::builder()
+        .redis_response_timeout_ms(5_000)
+        .spawn()
+        .await;
     let mut rooms = Vec::new();
     for n in sizes {
         rooms.push(measure_one_draw(&app, n).await);
@@ -1193,11 +1209,11 @@ async fn used_memory(conn: &mut flashsale::stock::RedisConn) -> i64 {
 }
 
 async fn memory_usage(conn: &mut flashsale::stock::RedisConn, key: &str) -> i64 {
+    // Sampled (the default): counting every member of a million would hold
+    // Redis up for everyone else.
     let bytes: Option<i64> = redis::cmd("MEMORY")
         .arg("USAGE")
         .arg(key)
-        .arg("SAMPLES")
-        .arg(0)
         .query_async(conn)
         .await
         .expect("MEMORY USAGE");
