@@ -48,7 +48,7 @@ const FIRST_PART: usize = 1_000;
 /// Places per later part (one script call each).
 const PART: usize = 10_000;
 /// Early joiners read from Redis per page.
-const READ_PAGE: isize = 20_000;
+const READ_PAGE: isize = 2_000;
 /// Places recorded in MySQL per transaction, and rows per insert.
 const RECORD_BATCH: usize = 5_000;
 const INSERT_ROWS: usize = 1_000;
