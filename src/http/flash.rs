@@ -377,6 +377,7 @@ fn with_retry_after(
     )
 )]
 /// `POST /flash/{sku}/queue`: joins the sale's waiting room, once.
+// One Redis script call, which answers the place too.
 pub async fn join_queue(
     State(state): State<AppState>,
     Path(sku): Path<String>,
@@ -390,9 +391,9 @@ pub async fn join_queue(
     if activity.window(now) == Window::Ended {
         return Err(AppError::Ended);
     }
-    let (_, joined_now) = state
+    let (place, joined_now) = state
         .waiting_room
-        .join(&activity, &user.id)
+        .join(&activity, &user.id, now)
         .await
         .map_err(redis_down)?
         .ok_or(AppError::Unavailable(
@@ -401,11 +402,6 @@ pub async fn join_queue(
     if joined_now {
         metrics::counter!("flashsale_waiting_room_joins_total").increment(1);
     }
-    let place = state
-        .waiting_room
-        .place(&activity, &user.id, now)
-        .await
-        .map_err(redis_down)?;
     let place =
         QueuePlace::of(place).ok_or(AppError::Unavailable("the waiting room lost the join"))?;
     let status = if joined_now {
@@ -430,7 +426,9 @@ pub async fn join_queue(
         (status = 503, description = "unavailable, with Retry-After", body = crate::error::ErrorBody),
     )
 )]
-/// `GET /flash/{sku}/queue`: the user's place, in one Redis round trip.
+/// `GET /flash/{sku}/queue`: the user's place, in at most one Redis round trip.
+// From this instance's memory when it cannot have changed since Redis last
+// said it (src/waiting_room/view.rs).
 pub async fn queue_status(
     State(state): State<AppState>,
     Path(sku): Path<String>,

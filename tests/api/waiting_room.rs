@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use testkit::stats::binomial_interval;
 
-use crate::helpers::{assert_error, eventually, spawn_app, unique, SaleSpec, TestApp};
+use crate::helpers::{assert_error, eventually, spawn_app, unique, Relay, SaleSpec, TestApp};
 
 /// A sale with a waiting room that starts in `starts_in`; created and preloaded.
 async fn room_sale(app: &TestApp, stock: u32, starts_in: Duration) -> (String, String) {
@@ -139,6 +139,22 @@ async fn the_draw_is_recorded_and_replays(
     })
     .await;
     let pool = &app.state.pool;
+    // The places are served first, and recorded in MySQL meanwhile.
+    eventually(
+        Duration::from_secs(15),
+        "the draw recorded",
+        || async move {
+            let at: Option<Option<chrono::NaiveDateTime>> = sqlx::query_scalar(
+                "SELECT recorded_at FROM waiting_room_draws WHERE activity_id = ?",
+            )
+            .bind(id)
+            .fetch_optional(pool)
+            .await
+            .expect("the draw");
+            at.flatten()
+        },
+    )
+    .await;
     let seed: u64 = sqlx::query_scalar("SELECT seed FROM waiting_room_draws WHERE activity_id = ?")
         .bind(id)
         .fetch_one(pool)
@@ -175,8 +191,19 @@ async fn the_first_five_are_admitted_and_buy(app: &TestApp, id: &str, sku: &str,
         (room(app, id).await["admitted"] == 5).then_some(())
     })
     .await;
+    // A poll may be answered from a view of the room read up to
+    // `VIEW_MAX_AGE` before: each of them hears of their turn within it.
+    let within = flashsale::waiting_room::VIEW_MAX_AGE * 10;
     for u in first {
-        assert_eq!(place(app, sku, u).await["state"], "admitted", "{u}");
+        eventually(within, "admitted, as polled", || async {
+            let p = place(app, sku, u).await;
+            assert!(
+                p["state"] == "admitted" || p["state"] == "waiting",
+                "{u}: {p}"
+            );
+            (p["state"] == "admitted").then_some(())
+        })
+        .await;
     }
     let sixth = &drawn[5];
     let p = place(app, sku, sixth).await;
@@ -608,7 +635,7 @@ async fn a_join_after_the_draw_read_the_joiners_is_placed() {
     let (_, new) = app
         .state
         .waiting_room
-        .join(&a, "behind")
+        .join(&a, "behind", chrono::Utc::now())
         .await
         .expect("join")
         .expect("the room is there");
@@ -839,4 +866,438 @@ async fn a_reservation_made_in_a_turn_that_ran_out_stands() {
     assert_eq!(p["state"], "admitted", "a buyer: {p}");
     assert!(p.get("admitted_until").is_none(), "{p}");
     app.stop().await;
+}
+
+/// Joins every one of `users` to the room of `sku` early, many at once, through
+/// the service's own room (the script `POST /flash/{sku}/queue` runs, and the
+/// join recorded in MySQL, without HTTP): a large room made fast.
+async fn join_many(app: &TestApp, sku: &str, users: &[String]) {
+    let a = activity(app, sku);
+    stream::iter(users)
+        .for_each_concurrent(256, |u| {
+            let a = a.clone();
+            async move {
+                let (_, new) = app
+                    .state
+                    .waiting_room
+                    .join(&a, u, chrono::Utc::now())
+                    .await
+                    .expect("join")
+                    .expect("the room is there");
+                assert!(new, "{u} joined once");
+            }
+        })
+        .await;
+}
+
+/// A field of the room's state in Redis.
+async fn room_meta(app: &TestApp, id: &str, field: &str) -> Option<String> {
+    let keys = flashsale::stock::RoomKeys::new(id, 1);
+    let mut conn = app.state.stock.connection();
+    redis::cmd("HGET")
+        .arg(&keys.meta)
+        .arg(field)
+        .query_async(&mut conn)
+        .await
+        .expect("HGET")
+}
+
+/// A room of 20,000: its first users are admitted promptly after the start,
+/// while the draw's places are still being recorded in MySQL; once recorded,
+/// the draw replays from its seed and the arrival order, matches its digest,
+/// and is exactly the order the places were served in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_room_admits_before_its_draw_is_recorded() {
+    const USERS: usize = 20_000;
+    const UNITS: u64 = 50;
+    let app = spawn_app().await;
+    let (id, sku) = room_sale(&app, UNITS as u32, Duration::from_secs(15)).await;
+    let users: Vec<String> = (0..USERS).map(|i| format!("big{i}")).collect();
+    let started = std::time::Instant::now();
+    join_many(&app, &sku, &users).await;
+    eprintln!("{USERS} joined in {:?}", started.elapsed());
+    let keys = flashsale::stock::RoomKeys::new(&id, 1);
+    let mut conn = app.state.stock.connection();
+    let early: usize = redis::cmd("ZCARD")
+        .arg(&keys.joined)
+        .query_async(&mut conn)
+        .await
+        .expect("ZCARD");
+    assert_eq!(early, USERS, "everyone joined before the start");
+
+    eventually(Duration::from_secs(60), "the first admissions", || async {
+        (room(&app, &id).await["admitted"] == UNITS).then_some(())
+    })
+    .await;
+    let pool = &app.state.pool;
+    let (recorded, recorded_at) =
+        eventually(Duration::from_secs(60), "the draw recorded", || async {
+            let (recorded, at): (u32, Option<chrono::NaiveDateTime>) = sqlx::query_as(
+                "SELECT recorded, recorded_at FROM waiting_room_draws WHERE activity_id = ?",
+            )
+            .bind(&id)
+            .fetch_optional(pool)
+            .await
+            .expect("the draw")?;
+            Some((recorded, at?))
+        })
+        .await;
+    assert_eq!(recorded as usize, USERS);
+    let a = activity(&app, &sku);
+    let due = a.starts_at
+        + chrono::Duration::from_std(flashsale::waiting_room::DRAW_GRACE).expect("grace");
+    let first: i64 = room_meta(&app, &id, "first_admission")
+        .await
+        .expect("the first admission's time")
+        .parse()
+        .expect("ms");
+    let recorded_ms = recorded_at.and_utc().timestamp_millis();
+    eprintln!(
+        "draw due at +0 ms; first admission +{} ms; recorded +{} ms",
+        first - due.timestamp_millis(),
+        recorded_ms - due.timestamp_millis()
+    );
+    assert!(
+        first < recorded_ms,
+        "the first admission ({first}) waited for the recording ({recorded_ms})"
+    );
+    assert!(
+        first - due.timestamp_millis() < 5_000,
+        "the first admission came {} ms after the draw was due",
+        first - due.timestamp_millis()
+    );
+    the_recorded_draw_is_the_order_served(&app, &id, USERS, UNITS).await;
+    app.stop().await;
+}
+
+/// The draw MySQL recorded replays from its seed and the arrival order, has
+/// the digest of that arrival order, and is the order Redis serves: the
+/// admitted are its first places, everyone else waits at their recorded place.
+async fn the_recorded_draw_is_the_order_served(app: &TestApp, id: &str, users: usize, units: u64) {
+    let pool = &app.state.pool;
+    let (seed, digest): (u64, String) =
+        sqlx::query_as("SELECT seed, digest FROM waiting_room_draws WHERE activity_id = ?")
+            .bind(id)
+            .fetch_one(pool)
+            .await
+            .expect("the draw");
+    let entries: Vec<(u32, String, u64)> = sqlx::query_as(
+        "SELECT position, user_id, joined_seq FROM waiting_room_entries \
+         WHERE activity_id = ? ORDER BY position",
+    )
+    .bind(id)
+    .fetch_all(pool)
+    .await
+    .expect("entries");
+    assert_eq!(entries.len(), users);
+    assert!(entries
+        .iter()
+        .enumerate()
+        .all(|(i, e)| e.0 as usize == i + 1));
+    let mut arrivals: Vec<(String, u64)> = entries.iter().map(|e| (e.1.clone(), e.2)).collect();
+    arrivals.sort_by_key(|e| e.1);
+    assert_eq!(flashsale::waiting_room::digest(&arrivals), digest);
+    let arrival_order: Vec<String> = arrivals.into_iter().map(|e| e.0).collect();
+    let drawn: Vec<String> = entries.iter().map(|e| e.1.clone()).collect();
+    assert_eq!(
+        flashsale::waiting_room::draw_order(&arrival_order, seed),
+        drawn,
+        "the recorded order replays from the seed"
+    );
+    let keys = flashsale::stock::RoomKeys::new(id, 1);
+    let mut conn = app.state.stock.connection();
+    let (queue, admitted): (Vec<(String, f64)>, Vec<String>) = redis::pipe()
+        .cmd("ZRANGE")
+        .arg(&keys.queue)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .cmd("ZRANGE")
+        .arg(&keys.admitted)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut conn)
+        .await
+        .expect("the line");
+    let position: HashMap<&str, u32> = entries.iter().map(|e| (e.1.as_str(), e.0)).collect();
+    assert_eq!(queue.len() + admitted.len(), users);
+    for (user, place) in &queue {
+        assert_eq!(
+            Some(*place as u32),
+            position.get(user.as_str()).copied(),
+            "{user}"
+        );
+    }
+    let mut served: Vec<u32> = admitted.iter().map(|u| position[u.as_str()]).collect();
+    served.sort_unstable();
+    assert_eq!(served, (1..=units as u32).collect::<Vec<_>>());
+}
+
+/// Two instances race to draw the same room: one draw, every joiner placed
+/// once, recorded as served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_racing_to_draw_make_one_draw() {
+    const USERS: usize = 3_000;
+    let app = spawn_app().await;
+    let other = TestApp::builder().database_of(&app).spawn().await;
+    let (id, sku) = room_sale(&app, 5, Duration::from_secs(6)).await;
+    let users: Vec<String> = (0..USERS).map(|i| format!("race{i}")).collect();
+    join_many(&app, &sku, &users).await;
+    eventually(Duration::from_secs(30), "five admitted", || async {
+        (room(&app, &id).await["admitted"] == 5).then_some(())
+    })
+    .await;
+    eventually(Duration::from_secs(30), "the draw recorded", || async {
+        (room_meta(&app, &id, "recorded").await.is_some()).then_some(())
+    })
+    .await;
+    the_recorded_draw_is_the_order_served(&app, &id, USERS, 5).await;
+    other.stop().await;
+    app.stop().await;
+}
+
+/// A join is one Redis script call, whether the user joins now or joined
+/// before (the reply carries their place).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_is_one_script_call() {
+    let relay = Relay::start("127.0.0.1:6379").await;
+    let app = TestApp::builder().redis_via(&relay).spawn().await;
+    let (_, sku) = room_sale(&app, 1, Duration::from_secs(60)).await;
+    // The script is loaded by a first join.
+    assert_eq!(
+        app.join_queue(&sku, "first-joiner").await.status(),
+        StatusCode::CREATED
+    );
+    for status in [StatusCode::CREATED, StatusCode::OK] {
+        relay.tap();
+        let resp = app.join_queue(&sku, "one-call-joiner").await;
+        let commands = relay.commands();
+        assert_eq!(resp.status(), status);
+        let body: Value = resp.json().await.expect("JSON");
+        assert_eq!(body["state"], "waiting");
+        let naming: Vec<&Vec<String>> = commands
+            .iter()
+            .filter(|c| c.iter().any(|w| w == "one-call-joiner"))
+            .collect();
+        assert_eq!(naming.len(), 1, "{status}: {naming:?}");
+        assert_eq!(naming[0][0].to_uppercase(), "EVALSHA", "{naming:?}");
+    }
+    app.stop().await;
+}
+
+/// A poll whose answer cannot have changed is answered from the instance's
+/// memory, without a Redis command; once the line moves, a poll sees the move,
+/// exactly as Redis counts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_is_answered_from_memory_until_the_line_moves() {
+    let relay = Relay::start("127.0.0.1:6379").await;
+    let app = TestApp::builder().redis_via(&relay).spawn().await;
+    let users = ["m0", "m1", "m2", "m3", "m4"];
+    let (id, sku, _) = room_with_a_turn(&app, 1, &users).await;
+    // The last in line (placed by Redis: its answer is learnt).
+    let mut last = ("", 0);
+    for u in users {
+        if let Some(ahead) = place(&app, &sku, u).await["ahead"].as_u64() {
+            if ahead >= last.1 {
+                last = (u, ahead);
+            }
+        }
+    }
+    let (user, ahead) = last;
+    assert_eq!(ahead, 3, "four wait behind one admitted");
+    let polls = || app.state.waiting_room.views.polls();
+    let before = place(&app, &sku, user).await;
+    let (from_memory, commands) = eventually(
+        Duration::from_secs(10),
+        "a poll answered from memory",
+        || async {
+            let (memory, redis) = polls();
+            relay.tap();
+            let p = place(&app, &sku, user).await;
+            let commands = relay.commands();
+            let (memory_after, redis_after) = polls();
+            assert_eq!(p, before, "the line did not move");
+            (memory_after == memory + 1 && redis_after == redis).then_some((p, commands))
+        },
+    )
+    .await;
+    let naming: Vec<&Vec<String>> = commands
+        .iter()
+        .filter(|c| c.iter().any(|w| w == user))
+        .collect();
+    assert!(naming.is_empty(), "a poll from memory sent {naming:?}");
+    assert_eq!(from_memory["ahead"], 3);
+    // One unit more: the next in line is admitted, and the last is one closer.
+    assert_eq!(
+        app.top_up(&id, json!({"add": 1})).await.status(),
+        StatusCode::OK
+    );
+    eventually(Duration::from_secs(10), "the line moved", || async {
+        (place(&app, &sku, user).await["ahead"] == 2).then_some(())
+    })
+    .await;
+    let keys = flashsale::stock::RoomKeys::new(&id, 1);
+    let mut conn = app.state.stock.connection();
+    let rank: Option<u64> = redis::cmd("ZRANK")
+        .arg(&keys.queue)
+        .arg(user)
+        .query_async(&mut conn)
+        .await
+        .expect("ZRANK");
+    assert_eq!(rank, Some(2));
+    let (memory, _) = polls();
+    eventually(
+        Duration::from_secs(10),
+        "the move answered from memory",
+        || async {
+            let p = place(&app, &sku, user).await;
+            assert_eq!(p["ahead"], 2);
+            (polls().0 > memory).then_some(())
+        },
+    )
+    .await;
+    app.stop().await;
+}
+
+/// Measures a room's draw at the sizes in `FLASHSALE_ROOM_SIZES` (default
+/// 10,000 and 100,000): how long after it was due the draw was recorded in
+/// MySQL's header, the first users were admitted, every place was in Redis and
+/// every place was recorded, and Redis's memory per joiner. The joiners are
+/// written straight into the room's Redis keys (the draw reads nothing else),
+/// so a million are made in seconds. Run with `--ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: minutes at a million joiners"]
+async fn measure_the_draw() {
+    let sizes: Vec<usize> = std::env::var("FLASHSALE_ROOM_SIZES")
+        .unwrap_or_else(|_| "10000,100000".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    // A test build is unoptimised: a million joiners keep its two workers
+    // busy for a while, so Redis's answers may wait longer than in service.
+    let app = TestApp::builder()
+        .redis_response_timeout_ms(5_000)
+        .spawn()
+        .await;
+    let mut rooms = Vec::new();
+    for n in sizes {
+        rooms.push(measure_one_draw(&app, n).await);
+    }
+    let mut conn = app.state.stock.connection();
+    app.stop().await;
+    for id in rooms {
+        for key in flashsale::stock::RoomKeys::new(&id, 1).all() {
+            let _: () = redis::cmd("DEL")
+                .arg(key)
+                .query_async(&mut conn)
+                .await
+                .expect("DEL");
+        }
+    }
+}
+
+async fn used_memory(conn: &mut flashsale::stock::RedisConn) -> i64 {
+    let info: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(conn)
+        .await
+        .expect("INFO");
+    info.lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("used_memory")
+}
+
+async fn memory_usage(conn: &mut flashsale::stock::RedisConn, key: &str) -> i64 {
+    // Sampled (the default): counting every member of a million would hold
+    // Redis up for everyone else.
+    let bytes: Option<i64> = redis::cmd("MEMORY")
+        .arg("USAGE")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("MEMORY USAGE");
+    bytes.unwrap_or(0)
+}
+
+/// One room of `n` measured; its id.
+async fn measure_one_draw(app: &TestApp, n: usize) -> String {
+    let lead = Duration::from_secs(5 + (n / 100_000) as u64 * 2);
+    let (id, sku) = room_sale(app, 100, lead).await;
+    let a = activity(app, &sku);
+    let keys = flashsale::stock::RoomKeys::new(&id, 1);
+    let mut conn = app.state.stock.connection();
+    let before = used_memory(&mut conn).await;
+    for start in (0..n).step_by(10_000) {
+        let end = (start + 10_000).min(n);
+        let mut zadd = redis::cmd("ZADD");
+        zadd.arg(&keys.joined);
+        for i in start..end {
+            zadd.arg(i + 1).arg(format!("user-{i:07}"));
+        }
+        let _: () = zadd.query_async(&mut conn).await.expect("ZADD");
+    }
+    let _: () = redis::cmd("SET")
+        .arg(&keys.seq)
+        .arg(n)
+        .query_async(&mut conn)
+        .await
+        .expect("SET");
+    let joined_bytes = memory_usage(&mut conn, &keys.joined).await;
+    let joined_delta = used_memory(&mut conn).await - before;
+    assert!(
+        chrono::Utc::now() < a.starts_at,
+        "{n} joiners were not written before the start"
+    );
+    let due = (a.starts_at
+        + chrono::Duration::from_std(flashsale::waiting_room::DRAW_GRACE).expect("grace"))
+    .timestamp_millis();
+    let since_due = |ms: i64| ms - due;
+    let complete_ms = eventually(Duration::from_secs(600), "every place written", || {
+        let (keys, mut conn) = (&keys, conn.clone());
+        async move {
+            let complete: Option<String> = redis::cmd("HGET")
+                .arg(&keys.meta)
+                .arg("complete")
+                .query_async(&mut conn)
+                .await
+                .expect("HGET");
+            complete.map(|_| chrono::Utc::now().timestamp_millis())
+        }
+    })
+    .await;
+    let (drawn_at, recorded_at) = eventually(Duration::from_secs(1_200), "recorded", || async {
+        let row: Option<(chrono::NaiveDateTime, Option<chrono::NaiveDateTime>)> = sqlx::query_as(
+            "SELECT drawn_at, recorded_at FROM waiting_room_draws WHERE activity_id = ?",
+        )
+        .bind(&id)
+        .fetch_optional(&app.state.pool)
+        .await
+        .expect("the draw");
+        let (drawn, recorded) = row?;
+        Some((drawn, recorded?))
+    })
+    .await;
+    let first: i64 = room_meta(app, &id, "first_admission")
+        .await
+        .expect("a first admission")
+        .parse()
+        .expect("ms");
+    let queue_bytes = memory_usage(&mut conn, &keys.queue).await;
+    let after = used_memory(&mut conn).await - before;
+    eprintln!(
+        "room of {n}: header recorded +{} ms, first admission +{} ms, every place in Redis ≤ +{} ms, \
+         every place recorded +{} ms after the draw was due; Redis per joiner: joined {} B \
+         (MEMORY USAGE; INFO delta {} B), line {} B, whole room after the draw {} B (INFO delta)",
+        since_due(drawn_at.and_utc().timestamp_millis()),
+        since_due(first),
+        since_due(complete_ms),
+        since_due(recorded_at.and_utc().timestamp_millis()),
+        joined_bytes / n as i64,
+        joined_delta / n as i64,
+        queue_bytes / n as i64,
+        after / n as i64,
+    );
+    assert!(first < recorded_at.and_utc().timestamp_millis());
+    id
 }
