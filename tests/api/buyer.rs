@@ -214,6 +214,20 @@ async fn three_buyers_wait_in_line_for_two_units_two_pay_and_one_is_told_sold_ou
     let status = app.sale_state(&sale.sku).await;
     assert_eq!(status["stock_left"], 0, "{status}");
     assert_eq!(status["state"], "sold_out", "{status}");
+    // What the page counted down by and joined on.
+    assert_eq!(status["admission"], "waiting_room", "{status}");
+    let time = |field: &str| {
+        status[field]
+            .as_str()
+            .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+            .unwrap_or_else(|| panic!("{field} is a time in {status}"))
+    };
+    assert_eq!(
+        time("starts_at") - time("queue_opens_at"),
+        chrono::Duration::seconds(600)
+    );
+    let skew = time("server_time").signed_duration_since(chrono::Utc::now());
+    assert!(skew.num_seconds().abs() < 5, "server_time is now: {status}");
     drop(buyers);
 }
 
@@ -302,7 +316,10 @@ async fn three_buyers_race_for_two_units_through_a_pause_and_a_lost_answer() {
         "not_found",
     )
     .await;
-    assert_eq!(app.sale_state(&sale.sku).await["stock_left"], 0);
+    let status = app.sale_state(&sale.sku).await;
+    assert_eq!(status["stock_left"], 0, "{status}");
+    assert_eq!(status["admission"], "open", "{status}");
+    assert!(status.get("queue_opens_at").is_none(), "{status}");
 
     // Every error answer is shown with its message: an unknown SKU, a token
     // the service refuses.
