@@ -9,6 +9,10 @@
 #                        and chromium-driver packages)
 #   schemathesis, openapi-spec-validator  the API fuzzed against its OpenAPI
 #                        document, and the document linted (PyPI, .run/tools-venv)
+#   docker-compose       validates docker-compose.yml (`scripts/compose-check.sh`);
+#                        Debian's package, without the engine it recommends:
+#                        `docker-compose config` needs none, and nothing here
+#                        starts a container
 #
 # Idempotent; prints one line per tool.
 set -euo pipefail
@@ -61,4 +65,14 @@ else
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
         chromium chromium-driver >/dev/null
     echo "tools: $(chromedriver --version | head -1) installed"
+fi
+
+if command -v docker-compose >/dev/null 2>&1; then
+    echo "tools: docker-compose $(docker-compose version --short 2>/dev/null) present"
+else
+    echo "tools: installing docker-compose (Debian package docker-compose, no engine)"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
+        docker-compose >/dev/null
+    echo "tools: docker-compose $(docker-compose version --short) installed"
 fi

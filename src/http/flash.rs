@@ -39,6 +39,15 @@ pub struct SaleStatus {
     /// upcoming, open, sold_out, paused or ended.
     state: &'static str,
     stock_left: i64,
+    /// `open` (first come, first served) or `waiting_room` (join
+    /// `/flash/{sku}/queue` first).
+    admission: Admission,
+    /// With a waiting room: when users may start joining it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    queue_opens_at: Option<DateTime<Utc>>,
+    /// The service's clock when it answered: a client counts down to
+    /// `starts_at` by this clock, not by its own.
+    server_time: DateTime<Utc>,
 }
 
 #[utoipa::path(
@@ -89,6 +98,10 @@ pub async fn status(
         ends_at: activity.ends_at,
         state: state_name,
         stock_left,
+        admission: activity.admission,
+        queue_opens_at: (activity.admission == Admission::WaitingRoom)
+            .then(|| activity.joins_from()),
+        server_time: now,
     }))
 }
 

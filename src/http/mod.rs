@@ -71,6 +71,9 @@ pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
 
     let mut app = Router::new()
         .route("/flash/{sku}", get(flash::status))
+        // The buyer's page is user traffic like the status it polls: behind the
+        // per-IP limit and the load shedding, unlike the operators' page.
+        .route("/buy/{sku}", get(page::buyer))
         .merge(user_routes)
         .merge(admin_routes)
         .fallback(|| async { AppError::not_found("no such endpoint") })

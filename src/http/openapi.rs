@@ -31,6 +31,7 @@ use crate::error::ErrorBody;
         super::admin::reconcile,
         super::admin::top_up,
         super::admin::ui,
+        super::page::buyer,
         super::ops::healthz,
         super::ops::readyz,
         super::ops::metrics,

@@ -17,3 +17,17 @@ pub fn own_page(html: &'static str) -> impl IntoResponse {
         html,
     )
 }
+
+#[utoipa::path(
+    get,
+    path = "/buy/{sku}",
+    tag = "operations",
+    params(("sku" = String, Path, description = "The SKU on sale")),
+    responses((status = 200, description = "The buyer's page (HTML): the reference client of the sale endpoints; it takes the user's token from `#token=…` or asks for it", content_type = "text/html"))
+)]
+/// `GET /buy/{sku}`: the reference buyer's page. Like the operators' page it
+/// holds no data: the SKU is read from the address by the page's script, which
+/// then calls the user endpoints with the user's own token.
+pub async fn buyer() -> impl IntoResponse {
+    own_page(include_str!("buyer.html"))
+}

@@ -63,6 +63,19 @@ impl Browser {
         })
     }
 
+    /// One browser per name, each in a folder of its own under `dir` (its
+    /// profile, so no storage is shared, and its driver's log): separate
+    /// people, as a page test with several users needs.
+    pub async fn start_each(dir: &Path, names: &[&str]) -> Result<Vec<Self>, String> {
+        let mut browsers = Vec::with_capacity(names.len());
+        for name in names {
+            let own = dir.join(name);
+            std::fs::create_dir_all(&own).map_err(|e| format!("{}: {e}", own.display()))?;
+            browsers.push(Browser::start(&own).await?);
+        }
+        Ok(browsers)
+    }
+
     async fn call(
         &self,
         method: reqwest::Method,
@@ -91,6 +104,14 @@ impl Browser {
         self.call(reqwest::Method::POST, "/url", json!({ "url": url }))
             .await
             .map(|_| ())
+    }
+
+    /// The address the window shows now.
+    pub async fn url(&self) -> Result<String, String> {
+        let v = self.call(reqwest::Method::GET, "/url", Value::Null).await?;
+        v.as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| format!("no address: {v}"))
     }
 
     async fn find(&self, css: &str) -> Result<String, String> {
@@ -141,6 +162,33 @@ impl Browser {
         Ok(v.as_str().unwrap_or_default().to_owned())
     }
 
+    /// Whether the element (a button, an input) is enabled.
+    pub async fn enabled(&self, css: &str) -> Result<bool, String> {
+        let el = self.find(css).await?;
+        let v = self
+            .call(
+                reqwest::Method::GET,
+                &format!("/element/{el}/enabled"),
+                Value::Null,
+            )
+            .await?;
+        v.as_bool()
+            .ok_or_else(|| format!("{css}: not a yes or no: {v}"))
+    }
+
+    /// Waits until the element is enabled, then clicks it: a click on a
+    /// disabled button is silently lost.
+    pub async fn click_when_enabled(&self, css: &str, within: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + within;
+        while !self.enabled(css).await.unwrap_or(false) {
+            if Instant::now() > deadline {
+                return Err(format!("{css} still disabled after {within:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        self.click(css).await
+    }
+
     /// Accepts the `confirm()` dialog the page opened.
     pub async fn accept_dialog(&self) -> Result<(), String> {
         self.call(reqwest::Method::POST, "/alert/accept", json!({}))
@@ -175,6 +223,18 @@ impl Browser {
             .await?;
         let b64 = v.as_str().ok_or("no screenshot")?;
         decode_base64(b64)
+    }
+
+    /// A PNG of the window, written to `path` (its folder made if missing).
+    pub async fn save_screenshot(&self, path: &Path) -> Result<(), String> {
+        let png = self.screenshot().await?;
+        if !png.starts_with(b"\x89PNG") {
+            return Err("the screenshot is not a PNG".into());
+        }
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+        }
+        std::fs::write(path, png).map_err(|e| format!("{}: {e}", path.display()))
     }
 }
 

@@ -24,6 +24,7 @@ const CONTRACT: &[(&str, &str)] = &[
     ("post", "/admin/activities/{id}/reconcile"),
     ("post", "/admin/activities/{id}/stock"),
     ("get", "/admin/ui"),
+    ("get", "/buy/{sku}"),
     ("get", "/healthz"),
     ("get", "/readyz"),
     ("get", "/metrics"),
