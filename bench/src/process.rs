@@ -46,6 +46,26 @@ impl ServerChild {
         env: &[(&str, String)],
         args: &[String],
     ) -> anyhow::Result<ServerChild> {
+        Self::start_logged(bin, opts, strategy, env, args, None).await
+    }
+
+    /// Like [`ServerChild::start`], its log (standard error) written to `log`
+    /// instead of this process's standard error.
+    pub async fn start_logged(
+        bin: &Path,
+        opts: &SuiteOptions,
+        strategy: StrategyKind,
+        env: &[(&str, String)],
+        args: &[String],
+        log: Option<&Path>,
+    ) -> anyhow::Result<ServerChild> {
+        let stderr = match log {
+            Some(path) => Stdio::from(
+                std::fs::File::create(path)
+                    .with_context(|| format!("failed to create {}", path.display()))?,
+            ),
+            None => Stdio::inherit(),
+        };
         let mut child = Command::new(bin)
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .arg("--strategy")
@@ -66,7 +86,7 @@ impl ServerChild {
             .arg("--stop-on-stdin-eof")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             // If this process dies, the child goes with it (and its stdin closes).
             .kill_on_drop(true)
             .spawn()
@@ -114,6 +134,22 @@ impl ServerChild {
             }
         }
     }
+}
+
+/// The size of a server's log, which is then cut to its first 64 KiB (enough
+/// to see what it says, without keeping a log of millions of requests).
+pub fn keep_log_head(path: &Path) -> anyhow::Result<u64> {
+    let Ok(meta) = std::fs::metadata(path) else {
+        return Ok(0);
+    };
+    let size = meta.len();
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .with_context(|| format!("failed to open {}", path.display()))?;
+    file.set_len(size.min(64 * 1024))
+        .with_context(|| format!("failed to cut {}", path.display()))?;
+    Ok(size)
 }
 
 /// What one loadtest run is asked to do.
