@@ -67,13 +67,11 @@ scripts/services.sh
 if [[ "${1:-}" == "consumer" ]]; then
     exec cargo bench --locked -p flashsale-bench --bench consumer
 fi
+out=results
 if [[ "${1:-}" == "mega" ]]; then
     shift
-    mega_out=(--out results/mega)
-    for arg in "$@"; do
-        if [[ "$arg" == "--out" || "$arg" == --out=* ]]; then mega_out=(); fi
-    done
-    set -- --mega "${mega_out[@]}" "$@"
+    set -- --mega "$@"
+    out=results/mega
 fi
 # wrk measures the flood section (Debian's package).
 if ! command -v wrk >/dev/null 2>&1; then
@@ -84,15 +82,16 @@ if ! command -v wrk >/dev/null 2>&1; then
 fi
 cargo build --release --locked -p flashsale-bench
 
-out=results
+given_out=()
 for ((i = 1; i <= $#; i++)); do
-    if [[ "${!i}" == "--out" ]]; then j=$((i + 1)); out="${!j}"; fi
-    if [[ "${!i}" == --out=* ]]; then out="${!i#--out=}"; fi
+    if [[ "${!i}" == "--out" ]]; then j=$((i + 1)); out="${!j}"; given_out=(x); fi
+    if [[ "${!i}" == --out=* ]]; then out="${!i#--out=}"; given_out=(x); fi
 done
 mkdir -p "$out"
 rm -f "$out"/*.png
 
-"${CARGO_TARGET_DIR:-target}"/release/compare --repo . --out "$out" "$@"
+if [[ ${#given_out[@]} -eq 0 ]]; then set -- --out "$out" "$@"; fi
+"${CARGO_TARGET_DIR:-target}"/release/compare --repo . "$@"
 
 # Plots: matplotlib in a virtualenv of our own, so the system Python stays as it is.
 venv=.run/bench-venv

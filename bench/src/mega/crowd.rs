@@ -503,7 +503,9 @@ impl Worker {
         self.count(Kind::Poll, status, state);
         match state {
             "admitted" => {
-                shared.draw_seen_us.fetch_min(shared.us(now), Ordering::Relaxed);
+                shared
+                    .draw_seen_us
+                    .fetch_min(shared.us(now), Ordering::Relaxed);
                 if shared.flags[user].fetch_or(ADMITTED, Ordering::Relaxed) & ADMITTED == 0 {
                     shared.admitted.fetch_add(1, Ordering::Relaxed);
                     for _ in 0..self.run.clicks {
@@ -514,7 +516,9 @@ impl Worker {
             "sold_out" | "expired" => shared.knows(user, now),
             _ => {
                 if !place["ahead"].is_null() {
-                    shared.draw_seen_us.fetch_min(shared.us(now), Ordering::Relaxed);
+                    shared
+                        .draw_seen_us
+                        .fetch_min(shared.us(now), Ordering::Relaxed);
                 }
                 shared.push(again, user, Kind::Poll);
             }
@@ -557,18 +561,22 @@ where
     Fut: std::future::Future<Output = ()>,
 {
     anyhow::ensure!(plan.users >= 1, "at least one user is needed");
-    anyhow::ensure!(
-        plan.users <= plan.tokens.len(),
-        "more users than tokens"
-    );
+    anyhow::ensure!(plan.users <= plan.tokens.len(), "more users than tokens");
     anyhow::ensure!(plan.clicks >= 1, "at least one click per user is needed");
     anyhow::ensure!(plan.connections >= 1, "at least one connection is needed");
     let (shared, run) = prepare(&plan);
-    let sampler = Sampler::start(shared.clone(), plan.server_pid, plan.redis_url.clone());
+    let sampler = Sampler::start(shared.clone(), plan.server_pid, plan.redis_url.clone()).await;
     let driven = drive(&plan, &shared, &run, on_joined).await;
     let samples = sampler.finish().await;
     let (outs, joins_ended_s, starts_s) = driven?;
-    Ok(merge(&plan, &shared, outs, samples, joins_ended_s, starts_s))
+    Ok(merge(
+        &plan,
+        &shared,
+        outs,
+        samples,
+        joins_ended_s,
+        starts_s,
+    ))
 }
 
 /// The phases of the run: the clicks (open), or the joins and then every
@@ -756,8 +764,10 @@ struct Sampler {
 }
 
 impl Sampler {
-    fn start(shared: Arc<Shared>, pid: Option<u32>, redis_url: String) -> Sampler {
+    /// Starts sampling; returns once the first sample (before any request) is taken.
+    async fn start(shared: Arc<Shared>, pid: Option<u32>, redis_url: String) -> Sampler {
         let stop = Arc::new(AtomicBool::new(false));
+        let (first, first_taken) = tokio::sync::oneshot::channel();
         let task = {
             let stop = stop.clone();
             tokio::spawn(async move {
@@ -765,8 +775,10 @@ impl Sampler {
                     Ok(c) => c.get_multiplexed_async_connection().await.ok(),
                     Err(_) => None,
                 };
-                let mut samples = Vec::new();
+                let mut samples = vec![sample(&shared, pid, redis.as_mut()).await];
+                let _ = first.send(());
                 let mut tick = tokio::time::interval(Duration::from_millis(250));
+                tick.tick().await;
                 loop {
                     tick.tick().await;
                     samples.push(sample(&shared, pid, redis.as_mut()).await);
@@ -776,6 +788,7 @@ impl Sampler {
                 }
             })
         };
+        let _ = first_taken.await;
         Sampler { stop, task }
     }
 
@@ -809,7 +822,8 @@ async fn sample(
         ..Sample::default()
     };
     if let Some(conn) = redis {
-        let info: redis::RedisResult<String> = redis::cmd("INFO").arg("all").query_async(conn).await;
+        let info: redis::RedisResult<String> =
+            redis::cmd("INFO").arg("all").query_async(conn).await;
         if let Ok(info) = info {
             let r = crate::redis_info::parse(&info);
             s.redis_used_memory = Some(r.used_memory);

@@ -300,7 +300,12 @@ async fn variant(
     let label = format!("{}-k{shards}", if room { "room" } else { "open" });
     let log = bench.runs_dir.join(format!("mega-{label}.log"));
     let server = bench
-        .start_server_in(StrategyKind::Service, DEPLOYED_ENV, &server_env(), Some(&log))
+        .start_server_in(
+            StrategyKind::Service,
+            DEPLOYED_ENV,
+            &server_env(),
+            Some(&log),
+        )
         .await?;
     let rss_at_start_kib = server
         .pid()
@@ -470,11 +475,7 @@ async fn calibrate_joins(
 }
 
 /// The room's `starts_at` as an instant of this process's clock.
-async fn starts_at(
-    bench: &Bench,
-    server: &ServerChild,
-    activity: &str,
-) -> anyhow::Result<Instant> {
+async fn starts_at(bench: &Bench, server: &ServerChild, activity: &str) -> anyhow::Result<Instant> {
     let a = expect_json(
         server.addr,
         Method::GET,
@@ -489,9 +490,7 @@ async fn starts_at(
         .context("the activity has no starts_at")?
         .parse()
         .context("starts_at is not a date")?;
-    let ahead = (at - chrono::Utc::now())
-        .to_std()
-        .unwrap_or(Duration::ZERO);
+    let ahead = (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO);
     Ok(Instant::now() + ahead)
 }
 
@@ -657,10 +656,7 @@ fn verdict(
         ));
     }
     if crowd.users_with_several_wins > 0 {
-        notes.push(format!(
-            "{} users won twice",
-            crowd.users_with_several_wins
-        ));
+        notes.push(format!("{} users won twice", crowd.users_with_several_wins));
     }
     if crowd.timed_out || crowd.known as usize != crowd.users {
         notes.push(format!(
@@ -690,7 +686,11 @@ fn phases(c: &CrowdRun) -> Vec<PhaseCost> {
             }
             let sold = c.last_accept_s.unwrap_or(end).max(start);
             cuts.push(("selling", start, sold));
-            cuts.push(("after the sell-out", sold, c.last_known_s.unwrap_or(end).max(sold)));
+            cuts.push((
+                "after the sell-out",
+                sold,
+                c.last_known_s.unwrap_or(end).max(sold),
+            ));
         }
         _ => {
             let sold = c.last_accept_s.unwrap_or(end);

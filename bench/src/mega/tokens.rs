@@ -106,7 +106,10 @@ mod tests {
         assert_eq!(book.len(), 1001);
         for i in [0, 1, 500, 1000] {
             let mut headers = hyper::HeaderMap::new();
-            headers.insert(hyper::header::AUTHORIZATION, book.header(i).expect("header"));
+            headers.insert(
+                hyper::header::AUTHORIZATION,
+                book.header(i).expect("header"),
+            );
             let user = auth.user(&headers).expect("a valid token");
             assert_eq!(&*user.id, format!("u-{i}").as_str());
         }

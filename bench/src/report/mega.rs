@@ -81,9 +81,11 @@ fn per_sale(md: &mut String, m: &MegaSection) {
         }
         let _ = writeln!(md);
     };
-    row(md, "time to sell out (from the start to the last `202`)", &|v| {
-        secs(v.sold_out_after_s())
-    });
+    row(
+        md,
+        "time to sell out (from the start to the last `202`)",
+        &|v| secs(v.sold_out_after_s()),
+    );
     row(md, "units sold (`202`) / winners", &|v| {
         format!(
             "{} / {}",
@@ -91,7 +93,9 @@ fn per_sale(md: &mut String, m: &MegaSection) {
             thousands(v.crowd.winners as f64)
         )
     });
-    row(md, "requests answered", &|v| thousands(v.crowd.requests as f64));
+    row(md, "requests answered", &|v| {
+        thousands(v.crowd.requests as f64)
+    });
     row(md, "`5xx` answers / no answer", &|v| {
         let lost: u64 = v.crowd.errors.values().sum();
         let five = v.answers_5xx();
@@ -101,32 +105,53 @@ fn per_sale(md: &mut String, m: &MegaSection) {
             format!("**{five} / {lost}**")
         }
     });
-    row(md, "time until every order is in MySQL (from the start)", &|v| {
-        format!(
-            "{} ({} orders)",
-            secs(v.orders_in_mysql_after_s()),
-            thousands(v.orders as f64)
-        )
-    });
-    row(md, "Redis per buyer: when the crowd ended / once quiet", &|v| {
-        let n = v.crowd.winners.max(1) as f64;
-        format!(
-            "{} / {}",
-            bytes(v.redis_at_end.bytes as f64 / n),
-            bytes(v.redis_after_drain.bytes as f64 / n)
-        )
-    });
-    row(md, "Redis per joiner (after the joins)", &|v| {
-        v.redis_after_joins.map_or("–".into(), |r| {
-            bytes(r.bytes as f64 / v.crowd.joined.max(1) as f64)
-        })
-    });
+    row(
+        md,
+        "time until every order is in MySQL (from the start)",
+        &|v| {
+            format!(
+                "{} ({} orders)",
+                secs(v.orders_in_mysql_after_s()),
+                thousands(v.orders as f64)
+            )
+        },
+    );
+    row(
+        md,
+        "Redis per buyer: when the crowd ended / once quiet",
+        &|v| {
+            if v.admission != "open" {
+                return "–".into();
+            }
+            let n = v.crowd.winners.max(1) as f64;
+            format!(
+                "{} / {}",
+                bytes(v.redis_at_end.bytes as f64 / n),
+                bytes(v.redis_after_drain.bytes as f64 / n)
+            )
+        },
+    );
+    row(
+        md,
+        "Redis per joiner: after the joins / when the crowd ended",
+        &|v| {
+            v.redis_after_joins.map_or("–".into(), |r| {
+                let n = v.crowd.joined.max(1) as f64;
+                format!(
+                    "{} / {}",
+                    bytes(r.bytes as f64 / n),
+                    bytes(v.redis_at_end.bytes as f64 / n)
+                )
+            })
+        },
+    );
     row(md, "service RSS: at start / peak", &|v| {
         format!(
             "{} / {}",
             v.rss_at_start_kib
                 .map_or("–".into(), |k| bytes(k as f64 * 1024.0)),
-            v.peak_rss_kib.map_or("–".into(), |k| bytes(k as f64 * 1024.0))
+            v.peak_rss_kib
+                .map_or("–".into(), |k| bytes(k as f64 * 1024.0))
         )
     });
     row(md, "joins per second (joined / users)", &|v| {
@@ -139,19 +164,23 @@ fn per_sale(md: &mut String, m: &MegaSection) {
             )
         })
     });
-    row(md, "the draw: from the start to the first place shown", &|v| {
-        secs(v.draw_s())
-    });
-    row(md, "every user knew their outcome after (from the start)", &|v| {
-        match v.everyone_knew_after_s() {
+    row(
+        md,
+        "the draw: from the start to the first place shown",
+        &|v| secs(v.draw_s()),
+    );
+    row(
+        md,
+        "every user knew their outcome after (from the start)",
+        &|v| match v.everyone_knew_after_s() {
             Some(s) => format!("{s:.2} s"),
             None => format!(
                 "**{} of {} never knew**",
                 thousands((v.crowd.users as u64 - v.crowd.known) as f64),
                 thousands(v.crowd.users as f64)
             ),
-        }
-    });
+        },
+    );
     row(md, "admitted by the room", &|v| {
         if v.admission == "open" {
             "–".into()
@@ -176,7 +205,8 @@ fn per_sale(md: &mut String, m: &MegaSection) {
     let _ = writeln!(
         md,
         "\nRedis memory is `MEMORY USAGE` of every key of the sale (stock shards and the room), \
-         divided by the winners or the joiners; the draw's duration is from `starts_at` to the \
+         divided by the winners (open) or the joiners (waiting room: the room's keys and the \
+         buyers' together); the draw's duration is from `starts_at` to the \
          first answer that showed a drawn place (it includes the draw's grace after the start \
          and the room's tick).\n"
     );
@@ -277,7 +307,10 @@ fn floors(md: &mut String, summary: &Summary, m: &MegaSection) {
         redis.map_or(0, |r| r.clients),
         summary.options.concurrency
     );
-    let _ = writeln!(md, "| sale | measure | achieved | floor | achieved / floor |");
+    let _ = writeln!(
+        md,
+        "| sale | measure | achieved | floor | achieved / floor |"
+    );
     let _ = writeln!(md, "|---|---|---:|---:|---:|");
     for v in &m.variants {
         let n = name(v);
@@ -382,7 +415,10 @@ fn environments(md: &mut String, m: &MegaSection) {
             opt(b, 1),
             a.zip(b)
                 .filter(|(_, b)| *b > 0.0)
-                .map_or("–".into(), |(a, b)| format!("{:+.0} %", (a / b - 1.0) * 100.0)),
+                .map_or("–".into(), |(a, b)| format!(
+                    "{:+.0} %",
+                    (a / b - 1.0) * 100.0
+                )),
         );
     }
     let requests: u64 = prod.runs.iter().map(|r| r.requests).sum();
