@@ -444,14 +444,14 @@ fn scale(md: &mut String, m: &MegaSection) {
         let _ = writeln!(
             md,
             "Where one machine ends: a sale of {} users in {:.0} s ({} requests, {} units at the \
-             measured {} requests and {:.3} units a user), planned from the open sale with \
+             measured {:.2} requests and {:.3} units a user), planned from the open sale with \
              stock_shards {} ({} users measured); each part counted at {:.0} % of its measured \
              capacity:\n",
             thousands(i.target_users as f64),
             i.target_seconds,
             thousands(p.target_requests as f64),
             thousands(p.target_units as f64),
-            format!("{:.2}", i.requests as f64 / i.users.max(1) as f64),
+            i.requests as f64 / i.users.max(1) as f64,
             i.units as f64 / i.users.max(1) as f64,
             i.stock_shards,
             thousands(i.users as f64),
