@@ -12,6 +12,7 @@
 #   scripts/bench.sh --duration 5 --users 100000 --strategies noop,service
 #   scripts/bench.sh --help                   # every size and duration
 #   scripts/bench.sh consumer                 # the order consumer alone (below)
+#   scripts/bench.sh mega                     # the mega-sale alone (below)
 #
 # Writes results/report.md, results/summary.json, results/runs/*.json and, with
 # matplotlib (installed from PyPI into .run/bench-venv on first use), the plots
@@ -35,6 +36,20 @@
 # the benchmark crate's `cargo bench` target, `cargo bench -p flashsale-bench
 # --bench consumer` once the services run.
 #
+# `scripts/bench.sh mega` runs the mega-sale instead of the sections above (the
+# same as `--mega`, into results/mega unless --out says otherwise): 100,000
+# units, 1,000,000 users each with a token of their own clicking twice, once
+# with open admission and once through a waiting room they all join before the
+# start, for stock_shards 1 and 3, on services started with
+# FLASHSALE_ENV=production; beside them the Redis and broker ceilings and the
+# flood's /healthz, no-op, sold-out and refused phases with the production and
+# the test configuration; then the scale-out plan. Tens of minutes at full size;
+# sizes are flags, e.g. a run of about a minute:
+#
+#   scripts/bench.sh mega --mega-users 20000 --mega-units 2000 --flood-duration 2 \
+#       --flood-rounds 1 --idle-duration 1 --redis-bench-requests 50000 \
+#       --broker-ceiling-duration 2
+#
 # Everything runs on loopback: Redis, MariaDB and the broker from
 # scripts/services.sh, and one benchmark server at a time on a free port.
 # Other heavy work on the machine (a build, a test suite) skews the figures: the
@@ -52,6 +67,12 @@ scripts/services.sh
 if [[ "${1:-}" == "consumer" ]]; then
     exec cargo bench --locked -p flashsale-bench --bench consumer
 fi
+out=results
+if [[ "${1:-}" == "mega" ]]; then
+    shift
+    set -- --mega "$@"
+    out=results/mega
+fi
 # wrk measures the flood section (Debian's package).
 if ! command -v wrk >/dev/null 2>&1; then
     echo "bench: installing wrk (Debian package wrk)"
@@ -61,15 +82,16 @@ if ! command -v wrk >/dev/null 2>&1; then
 fi
 cargo build --release --locked -p flashsale-bench
 
-out=results
+given_out=()
 for ((i = 1; i <= $#; i++)); do
-    if [[ "${!i}" == "--out" ]]; then j=$((i + 1)); out="${!j}"; fi
-    if [[ "${!i}" == --out=* ]]; then out="${!i#--out=}"; fi
+    if [[ "${!i}" == "--out" ]]; then j=$((i + 1)); out="${!j}"; given_out=(x); fi
+    if [[ "${!i}" == --out=* ]]; then out="${!i#--out=}"; given_out=(x); fi
 done
 mkdir -p "$out"
 rm -f "$out"/*.png
 
-"${CARGO_TARGET_DIR:-target}"/release/compare --repo . --out "$out" "$@"
+if [[ ${#given_out[@]} -eq 0 ]]; then set -- --out "$out" "$@"; fi
+"${CARGO_TARGET_DIR:-target}"/release/compare --repo . "$@"
 
 # Plots: matplotlib in a virtualenv of our own, so the system Python stays as it is.
 venv=.run/bench-venv

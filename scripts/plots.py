@@ -15,6 +15,11 @@
 - failover.png       answers per 100 ms by status (202, 409, 503) through the loss
                      of a Redis Cluster primary, with the kill, the promotion and the
                      dead node's return marked (when the failover section ran)
+- mega_answers.png   (scripts/bench.sh mega) answers per second by code through
+                     each mega-sale, with the start, the sell-out and the moment
+                     the last user knew their outcome marked
+- mega_memory.png    (scripts/bench.sh mega) the service's resident memory and
+                     Redis's memory over time, one line a sale
 
 scripts/bench.sh runs it from a virtualenv with matplotlib; it needs nothing else.
 """
@@ -267,9 +272,94 @@ def failover(summary, out):
     return True
 
 
+CLASS_COLORS = {
+    "202": "#2ca02c", "200/201": "#1f77b4", "409 sold_out": "#ff7f0e",
+    "409 already_reserved": "#bcbd22", "403": "#9467bd", "429": "#8c564b",
+    "5xx": "#d62728", "lost": "#7f7f7f", "other": "#e377c2",
+}
+
+
+def mega_title(v):
+    return f"{v['admission']}, stock_shards {v['stock_shards']}"
+
+
+def mega_answers(summary, out):
+    """Answers per second by code through each mega-sale, one panel a sale."""
+    m = summary.get("mega")
+    if not m or not m["variants"]:
+        return False
+    classes = m["classes"]
+    n = len(m["variants"])
+    fig, axes = plt.subplots(n, 1, figsize=(12, 3.2 * n), squeeze=False)
+    for ax, v in zip(axes[:, 0], m["variants"]):
+        samples = v["crowd"]["samples"]
+        ts = [s["t_s"] for s in samples]
+        for i, name in enumerate(classes):
+            ys = [0.0]
+            for a, b in zip(samples, samples[1:]):
+                dt = max(b["t_s"] - a["t_s"], 1e-9)
+                ys.append((b["answers"][i] - a["answers"][i]) / dt)
+            if max(ys) > 0:
+                ax.plot(ts, ys, linewidth=1.2, color=CLASS_COLORS.get(name, "#17becf"), label=name)
+        crowd = v["crowd"]
+        marks = [(crowd.get("joins_ended_s"), "joins done", "#1f77b4"),
+                 (crowd.get("starts_s"), "start", "#000000"),
+                 (crowd.get("last_accept_s"), "sold out (last 202)", "#2ca02c"),
+                 (crowd.get("last_known_s"), "last user knew", "#9467bd")]
+        for x, label, c in marks:
+            if x is not None:
+                ax.axvline(x, color=c, linestyle="--", linewidth=0.8)
+                ax.text(x, 0.98, f" {label}", transform=ax.get_xaxis_transform(), fontsize=7,
+                        color=c, va="top")
+        ax.set_title(f"{mega_title(v)}: answers per second by code", fontsize=9)
+        ax.set_ylabel("answers / s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("seconds from the crowd's start")
+    fig.suptitle(f"Mega-sale: {m['users']:,} users, {m['units']:,} units", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "mega_answers.png", dpi=110)
+    plt.close(fig)
+    return True
+
+
+def mega_memory(summary, out):
+    """The service's resident memory and Redis's memory through each mega-sale."""
+    m = summary.get("mega")
+    if not m or not m["variants"]:
+        return False
+    fig, (rss, red) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
+    for v in m["variants"]:
+        samples = v["crowd"]["samples"]
+        ts = [s["t_s"] for s in samples]
+        rss.plot(ts, [(s.get("server_rss_kib") or 0) / 1024 for s in samples], label=mega_title(v))
+        red.plot(ts, [(s.get("redis_used_memory") or 0) / 1048576 for s in samples],
+                 label=mega_title(v))
+    rss.set_ylabel("service RSS (MiB)")
+    red.set_ylabel("Redis used_memory (MiB)")
+    red.set_xlabel("seconds from the crowd's start")
+    for ax in (rss, red):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    rss.set_title("Mega-sale: memory over time (Redis's figure is the whole server's)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "mega_memory.png", dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main():
     results = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
     summary = json.loads((results / "summary.json").read_text())
+    if summary.get("mega"):
+        # The mega-sale runs alone: its own plots only.
+        names = []
+        if mega_answers(summary, results):
+            names.append('mega_answers.png')
+        if mega_memory(summary, results):
+            names.append('mega_memory.png')
+        print(f"plots: {', '.join(str(results / n) for n in names)}")
+        return
     throughput(summary, results)
     latency_cdf(summary, results)
     side_query(summary, results)

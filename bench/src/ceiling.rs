@@ -34,6 +34,12 @@ pub struct RedisCeiling {
     pub p99_ms: f64,
     /// Reservations the script recorded: proves the calls did the real work.
     pub reserved: i64,
+    /// Redis's commands (those the script runs included) and CPU microseconds
+    /// per call, from `INFO` before and after: the floor of a reserve's cost.
+    #[serde(default)]
+    pub commands_per_call: Option<f64>,
+    #[serde(default)]
+    pub redis_cpu_us_per_call: Option<f64>,
 }
 
 /// What the broker acknowledged with `in_flight` publishes outstanding.
@@ -173,6 +179,7 @@ pub async fn redis_evalsha(
         .context("SCRIPT LOAD failed")?;
     let k = ceiling_sale(&mut conn).await?;
     let (host, port) = host_port(redis_url);
+    let before = crate::redis_info::counters(redis_url).await.ok();
     let output = Command::new("redis-benchmark")
         .args(["-h", &host, "-p", &port.to_string()])
         .args(["-c", &clients.to_string()])
@@ -187,6 +194,7 @@ pub async fn redis_evalsha(
         .output()
         .await
         .context("failed to run redis-benchmark (is it installed? it comes with redis)")?;
+    let after = crate::redis_info::counters(redis_url).await.ok();
     let reserved = remove_ceiling_sale(&mut conn, &k).await;
     if !output.status.success() {
         bail!(
@@ -209,6 +217,12 @@ pub async fn redis_evalsha(
         p50_ms,
         p99_ms,
         reserved,
+        commands_per_call: before
+            .zip(after)
+            .map(|(b, a)| a.commands.saturating_sub(b.commands) as f64 / requests.max(1) as f64),
+        redis_cpu_us_per_call: before
+            .zip(after)
+            .map(|(b, a)| (a.cpu_s - b.cpu_s) * 1e6 / requests.max(1) as f64),
     })
 }
 

@@ -12,7 +12,7 @@ use anyhow::{bail, Context};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
-use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE, HOST};
+use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE, HOST, RETRY_AFTER};
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::Value;
@@ -54,6 +54,20 @@ impl Conn {
         authorization: Option<&HeaderValue>,
         json: Option<Bytes>,
     ) -> anyhow::Result<(StatusCode, Bytes)> {
+        let (status, _, body) = self
+            .send_with_retry_after(method, path, authorization, json)
+            .await?;
+        Ok((status, body))
+    }
+
+    /// Like [`Conn::send`], with the answer's `Retry-After` in seconds.
+    pub async fn send_with_retry_after(
+        &mut self,
+        method: Method,
+        path: &str,
+        authorization: Option<&HeaderValue>,
+        json: Option<Bytes>,
+    ) -> anyhow::Result<(StatusCode, Option<u64>, Bytes)> {
         let mut builder = Request::builder()
             .method(method)
             .uri(path)
@@ -81,13 +95,18 @@ impl Conn {
             .await
             .context("request failed")?;
         let status = response.status();
+        let retry_after = response
+            .headers()
+            .get(RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse().ok());
         let bytes = response
             .into_body()
             .collect()
             .await
             .context("failed to read the answer")?
             .to_bytes();
-        Ok((status, bytes))
+        Ok((status, retry_after, bytes))
     }
 }
 

@@ -36,6 +36,8 @@ pub struct Bench {
     /// For the test kit's sale set-up and the admin API.
     pub http: reqwest::Client,
     sale_counter: u32,
+    /// Activities whose Redis keys a section deletes once their service stopped.
+    pub forget: Vec<String>,
 }
 
 impl Bench {
@@ -82,6 +84,7 @@ impl Bench {
             side_db,
             http: reqwest::Client::new(),
             sale_counter: 0,
+            forget: Vec::new(),
         })
     }
 
@@ -118,6 +121,23 @@ impl Bench {
         env: &[(&str, String)],
     ) -> anyhow::Result<ServerChild> {
         ServerChild::start(&self.server_bin, &self.opts, strategy, env, &[]).await
+    }
+
+    /// A `bench-server` with the configuration of environment `config_env`
+    /// (`config/{config_env}.toml`) instead of the comparison's, its log
+    /// written to `log` when given.
+    pub async fn start_server_in(
+        &self,
+        strategy: StrategyKind,
+        config_env: &str,
+        env: &[(&str, String)],
+        log: Option<&std::path::Path>,
+    ) -> anyhow::Result<ServerChild> {
+        let opts = SuiteOptions {
+            env: config_env.to_owned(),
+            ..self.opts.clone()
+        };
+        ServerChild::start_logged(&self.server_bin, &opts, strategy, env, &[], log).await
     }
 
     /// A second instance of the service `first` runs (same database, topic and

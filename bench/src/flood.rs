@@ -128,6 +128,51 @@ pub async fn section(bench: &mut Bench) -> anyhow::Result<FloodSection> {
     Ok(section)
 }
 
+/// The compared phases (`/healthz`, the no-op, sold out, refused by window) on
+/// servers of configuration `config_env` with `env` set, their logs written to
+/// `runs/flood/*-{label}.log`. Returns the runs and the bytes the service logged.
+pub async fn compared_in(
+    bench: &mut Bench,
+    config_env: &str,
+    env: &[(&str, String)],
+    label: &str,
+) -> anyhow::Result<(Vec<FloodRun>, u64)> {
+    let dir = bench.runs_dir.join("flood");
+    std::fs::create_dir_all(&dir).with_context(|| format!("failed to create {}", dir.display()))?;
+    let auth = signer(&bench.settings.auth)?;
+    let crowd = write_tokens(
+        &dir,
+        "crowd",
+        &issue_tokens(&auth, "flood-", bench.opts.small_users, 3600)?,
+    )?;
+    let winner = write_tokens(
+        &dir,
+        &format!("winner-{label}"),
+        &issue_tokens(&auth, &format!("flood-{label}-winner-"), 1, 3600)?,
+    )?;
+    write_script(&dir, "tokens.lua", &format!("{TOKENS_LUA}{DONE_LUA}"))?;
+    write_script(&dir, "plain.lua", DONE_LUA)?;
+    let noop_log = dir.join(format!("noop-{label}.log"));
+    let service_log = dir.join(format!("service-{label}.log"));
+    let noop = bench
+        .start_server_in(StrategyKind::Noop, config_env, env, Some(&noop_log))
+        .await?;
+    let service = bench
+        .start_server_in(StrategyKind::Service, config_env, env, Some(&service_log))
+        .await;
+    let runs = match &service {
+        Ok(service) => compared_phases(bench, &noop, service, &crowd, &winner).await,
+        Err(e) => Err(anyhow::anyhow!("the service did not start: {e:#}")),
+    };
+    noop.stop().await?;
+    if let Ok(service) = service {
+        service.stop().await?;
+    }
+    let logged = crate::process::keep_log_head(&service_log)?;
+    crate::process::keep_log_head(&noop_log)?;
+    Ok((runs?, logged))
+}
+
 /// The compared phases in `--flood-rounds` rounds (the median round of each is
 /// kept), then the waiting room's and the winning phases once.
 async fn phases(

@@ -22,7 +22,9 @@
 //!   by side), [`flood`] (wrk, CPU per request by phase), [`gate`] (the sold-out
 //!   gate reopening), [`producer`] (the producer's settings), [`fairness`] (bots
 //!   against the waiting room), [`cluster`] (the hot SKU on a Redis Cluster),
-//!   [`failover`] (a sale through the loss of a Cluster primary);
+//!   [`failover`] (a sale through the loss of a Cluster primary), [`mega`] (a
+//!   million users with their own tokens, open and through the waiting room,
+//!   and what a bigger sale would need);
 //! - [`suite`]: the comparison, section after section; [`report`]: its markdown.
 
 pub mod ceiling;
@@ -36,6 +38,7 @@ pub mod flood;
 pub mod gate;
 pub mod loadgen;
 pub mod machine;
+pub mod mega;
 pub mod model;
 pub mod options;
 pub mod process;

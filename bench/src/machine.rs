@@ -189,6 +189,21 @@ fn process_ticks(pid: u32) -> Option<u64> {
     Some(utime + stime)
 }
 
+/// (resident now, peak resident) of a process in KiB (`VmRSS`, `VmHWM`).
+pub fn process_memory_kib(pid: u32) -> Option<(u64, u64)> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
 /// CPU seconds (user + system, all threads) a process has used so far.
 pub fn process_cpu_s(pid: u32) -> Option<f64> {
     Some(process_ticks(pid)? as f64 / clock_ticks_per_second())

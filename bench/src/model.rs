@@ -87,6 +87,9 @@ pub struct Summary {
     /// A Redis Cluster primary killed under a sale (`None`: skipped).
     #[serde(default)]
     pub failover: Option<FailoverSection>,
+    /// The mega-sale (`--mega`; `None`: not run).
+    #[serde(default)]
+    pub mega: Option<crate::mega::MegaSection>,
 }
 
 impl Summary {

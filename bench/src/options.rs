@@ -117,4 +117,38 @@ pub struct SuiteOptions {
     /// Rate-limit layers of every server: off, or on with buckets that never refuse.
     #[arg(long, value_enum, default_value = "off")]
     pub rate_limits: RateLimitMode,
+    /// Run the mega-sale section alone (`scripts/bench.sh mega`): the Redis and
+    /// broker ceilings, the flood's compared phases with the deployed and the
+    /// quiet configuration, then the mega-sales; the other sections are skipped.
+    #[arg(long)]
+    #[serde(default)]
+    pub mega: bool,
+    /// Users of each mega-sale, each with a token of their own.
+    #[arg(long, default_value_t = 1_000_000)]
+    #[serde(default)]
+    pub mega_users: usize,
+    /// Units of each mega-sale.
+    #[arg(long, default_value_t = 100_000)]
+    #[serde(default)]
+    pub mega_units: u32,
+    /// Clicks of each user on reserve (at once: a double click).
+    #[arg(long, default_value_t = 2)]
+    #[serde(default)]
+    pub mega_clicks: u32,
+    /// The stock_shards each mega-sale is sold with, open and through the room.
+    #[arg(long, value_delimiter = ',', default_value = "1,3")]
+    #[serde(default)]
+    pub mega_shards: Vec<u8>,
+    /// Upper bound on one mega-sale's crowd, in seconds.
+    #[arg(long, default_value_t = 1800.0)]
+    #[serde(default)]
+    pub mega_max_duration: f64,
+    /// The sale the scale-out table plans for: this many users...
+    #[arg(long, default_value_t = 1_000_000)]
+    #[serde(default)]
+    pub mega_target_users: u64,
+    /// ... in this many seconds.
+    #[arg(long, default_value_t = 10.0)]
+    #[serde(default)]
+    pub mega_target_seconds: f64,
 }

@@ -7,7 +7,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::loadgen::LoadReport;
@@ -36,6 +36,8 @@ pub struct ServerChild {
     child: Child,
     pub announce: Announce,
     pub addr: SocketAddr,
+    /// Reads the server's output to its end (into the log file, if any).
+    reader: tokio::task::JoinHandle<()>,
 }
 
 impl ServerChild {
@@ -46,6 +48,31 @@ impl ServerChild {
         env: &[(&str, String)],
         args: &[String],
     ) -> anyhow::Result<ServerChild> {
+        Self::start_logged(bin, opts, strategy, env, args, None).await
+    }
+
+    /// Like [`ServerChild::start`], its log (standard error) written to `log`
+    /// instead of this process's standard error.
+    pub async fn start_logged(
+        bin: &Path,
+        opts: &SuiteOptions,
+        strategy: StrategyKind,
+        env: &[(&str, String)],
+        args: &[String],
+        log: Option<&Path>,
+    ) -> anyhow::Result<ServerChild> {
+        // The service logs to standard output (its announcement is the first line
+        // that parses as one) and may write to standard error: both go to `log`.
+        let log_file = log
+            .map(|path| {
+                std::fs::File::create(path)
+                    .with_context(|| format!("failed to create {}", path.display()))
+            })
+            .transpose()?;
+        let stderr = match &log_file {
+            Some(file) => Stdio::from(file.try_clone().context("failed to share the log file")?),
+            None => Stdio::inherit(),
+        };
         let mut child = Command::new(bin)
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .arg("--strategy")
@@ -66,7 +93,7 @@ impl ServerChild {
             .arg("--stop-on-stdin-eof")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             // If this process dies, the child goes with it (and its stdin closes).
             .kill_on_drop(true)
             .spawn()
@@ -76,20 +103,46 @@ impl ServerChild {
             .take()
             .context("the server's stdout is not piped")?;
         let mut lines = BufReader::new(stdout).lines();
-        let first = tokio::time::timeout(Duration::from_secs(90), lines.next_line())
-            .await
-            .context("the server did not start within 90 s")?
-            .context("failed to read the server's first line")?
-            .context("the server exited before announcing its port")?;
-        let announce: Announce = serde_json::from_str(&first)
-            .with_context(|| format!("unexpected first line from the server: {first}"))?;
-        // Keep reading, so the child can never block on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let mut log_file = log_file.map(tokio::fs::File::from_std);
+        let announce = tokio::time::timeout(Duration::from_secs(90), async {
+            loop {
+                let line = lines
+                    .next_line()
+                    .await
+                    .context("failed to read the server's output")?
+                    .context("the server exited before announcing its port")?;
+                // A log line before the announcement (JSON logs at info).
+                match serde_json::from_str::<Announce>(&line) {
+                    Ok(a) => return anyhow::Ok(a),
+                    Err(_) if log_file.is_some() || line.starts_with('{') => {
+                        if let Some(f) = log_file.as_mut() {
+                            f.write_all(format!("{line}\n").as_bytes()).await.ok();
+                        }
+                    }
+                    Err(e) => bail!("unexpected first line from the server: {line}: {e}"),
+                }
+            }
+        })
+        .await
+        .context("the server did not start within 90 s")??;
+        // Keep reading, so the child can never block on a full pipe; the log
+        // lines go to the log file when there is one.
+        let reader = tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(f) = log_file.as_mut() {
+                    f.write_all(format!("{line}\n").as_bytes()).await.ok();
+                }
+            }
+            if let Some(f) = log_file.as_mut() {
+                f.flush().await.ok();
+            }
+        });
         let addr = SocketAddr::from(([127, 0, 0, 1], announce.port));
         Ok(ServerChild {
             child,
             announce,
             addr,
+            reader,
         })
     }
 
@@ -103,6 +156,10 @@ impl ServerChild {
         match tokio::time::timeout(Duration::from_secs(40), self.child.wait()).await {
             Ok(status) => {
                 let status = status.context("failed to wait for the server")?;
+                // Its output is complete once it exited: the log is whole.
+                tokio::time::timeout(Duration::from_secs(5), self.reader)
+                    .await
+                    .ok();
                 if !status.success() {
                     bail!("the server exited with {status}");
                 }
@@ -114,6 +171,22 @@ impl ServerChild {
             }
         }
     }
+}
+
+/// The size of a server's log, which is then cut to its first 64 KiB (enough
+/// to see what it says, without keeping a log of millions of requests).
+pub fn keep_log_head(path: &Path) -> anyhow::Result<u64> {
+    let Ok(meta) = std::fs::metadata(path) else {
+        return Ok(0);
+    };
+    let size = meta.len();
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .with_context(|| format!("failed to open {}", path.display()))?;
+    file.set_len(size.min(64 * 1024))
+        .with_context(|| format!("failed to cut {}", path.display()))?;
+    Ok(size)
 }
 
 /// What one loadtest run is asked to do.

@@ -14,6 +14,8 @@ pub struct Counters {
     pub cpu_s: f64,
     /// Every command processed so far (`total_commands_processed`).
     pub commands: u64,
+    /// Bytes the node's allocator holds (`used_memory`).
+    pub used_memory: u64,
 }
 
 async fn connect(url: &str) -> anyhow::Result<MultiplexedConnection> {
@@ -41,30 +43,54 @@ pub async fn version(url: &str) -> anyhow::Result<String> {
 /// The counters of the node at `url`.
 pub async fn counters(url: &str) -> anyhow::Result<Counters> {
     let mut conn = connect(url).await?;
-    let stats = info(&mut conn, "commandstats").await?;
-    let cpu = info(&mut conn, "cpu").await?;
-    let totals = info(&mut conn, "stats").await?;
+    let mut text = info(&mut conn, "commandstats").await?;
+    text.push_str(&info(&mut conn, "cpu").await?);
+    text.push_str(&info(&mut conn, "stats").await?);
+    text.push_str(&info(&mut conn, "memory").await?);
+    Ok(parse(&text))
+}
+
+/// The counters in the text of `INFO` (any sections; the missing read as 0).
+pub fn parse(info: &str) -> Counters {
+    let value = |key: &str| -> Option<&str> {
+        info.lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+            .map(str::trim)
+    };
     let calls = |name: &str| -> u64 {
-        stats
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("cmdstat_{name}:calls=")))
+        value(&format!("cmdstat_{name}"))
+            .and_then(|v| v.strip_prefix("calls="))
             .and_then(|rest| rest.split(',').next())
             .and_then(|n| n.parse().ok())
             .unwrap_or(0)
     };
-    let seconds = |name: &str| -> f64 {
-        cpu.lines()
-            .find_map(|l| l.strip_prefix(&format!("{name}:")))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0.0)
-    };
-    Ok(Counters {
+    let seconds = |name: &str| -> f64 { value(name).and_then(|v| v.parse().ok()).unwrap_or(0.0) };
+    Counters {
         script_calls: calls("evalsha") + calls("eval"),
         cpu_s: seconds("used_cpu_user") + seconds("used_cpu_sys"),
-        commands: totals
-            .lines()
-            .find_map(|l| l.strip_prefix("total_commands_processed:"))
-            .and_then(|v| v.trim().parse().ok())
+        commands: value("total_commands_processed")
+            .and_then(|v| v.parse().ok())
             .unwrap_or(0),
-    })
+        used_memory: value("used_memory")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse;
+
+    #[test]
+    fn reads_the_counters() {
+        let c = parse(
+            "# Stats\r\ntotal_commands_processed:42\r\n# Memory\r\nused_memory:1000\r\nused_memory_human:1K\r\n\
+             # CPU\r\nused_cpu_sys:1.5\r\nused_cpu_user:2.0\r\nused_cpu_sys_children:9\r\n\
+             # Commandstats\r\ncmdstat_evalsha:calls=7,usec=10\r\ncmdstat_eval:calls=1,usec=3\r\n",
+        );
+        assert_eq!(c.commands, 42);
+        assert_eq!(c.used_memory, 1000);
+        assert_eq!(c.script_calls, 8);
+        assert!((c.cpu_s - 3.5).abs() < 1e-9);
+    }
 }

@@ -13,6 +13,8 @@
 //!    ([`crate::failover`]);
 //! 5. the summary (JSON) and the markdown report ([`crate::report`]).
 //!
+//! With `--mega`, steps 3 and 4 give way to the mega-sale ([`crate::mega`]).
+//!
 //! Server, load generator and orchestrator are separate processes: on two cores the
 //! fairest split is the kernel's, and no strategy shares a runtime with the load.
 
@@ -73,6 +75,32 @@ async fn sections(
 
     let redis_ceiling = redis_ceilings(bench).await?;
     let broker_ceiling = broker_ceilings(bench).await?;
+    if opts.mega {
+        let broker = broker_ceiling
+            .iter()
+            .find(|b| b.in_flight == opts.concurrency);
+        let mega = crate::mega::section(bench, broker).await?;
+        return Ok(Summary {
+            started_at: started_at.to_rfc3339(),
+            finished_at: Utc::now().to_rfc3339(),
+            seconds: t0.elapsed().as_secs_f64(),
+            command,
+            options: opts,
+            machine,
+            side_idle,
+            cpu_idle,
+            redis_ceiling,
+            broker_ceiling,
+            strategies: Vec::new(),
+            cluster: None,
+            flood: None,
+            gate: None,
+            producer: None,
+            fairness: None,
+            failover: None,
+            mega: Some(mega),
+        });
+    }
 
     let mut strategies = Vec::new();
     for kind in opts.strategies.clone() {
@@ -126,6 +154,7 @@ async fn sections(
         producer,
         fairness,
         failover,
+        mega: None,
     })
 }
 

@@ -5,12 +5,19 @@ mod cluster;
 mod failover;
 mod flood;
 pub mod format;
+mod mega;
 mod strategies;
 
 use crate::model::Summary;
 
 pub fn render(summary: &Summary) -> String {
     let mut md = String::new();
+    if let Some(m) = &summary.mega {
+        strategies::title_and_machine(&mut md, summary);
+        strategies::ceilings(&mut md, summary);
+        mega::section(&mut md, summary, m);
+        return md;
+    }
     strategies::before(&mut md, summary);
     if let Some(f) = &summary.flood {
         flood::flood(&mut md, f);

@@ -109,10 +109,15 @@ fn cpu_hint(cpu: &CpuWindow, cpus: usize) -> String {
 }
 
 /// The title, the command and the machine it ran on.
-fn title_and_machine(md: &mut String, summary: &Summary) {
+pub(super) fn title_and_machine(md: &mut String, summary: &Summary) {
     let m = &summary.machine;
 
-    let _ = writeln!(md, "# flashsale: the seed's strategies side by side\n");
+    let title = if summary.mega.is_some() {
+        "flashsale: the mega-sale"
+    } else {
+        "flashsale: the seed's strategies side by side"
+    };
+    let _ = writeln!(md, "# {title}\n");
     let _ = writeln!(
         md,
         "Run {} → {} ({:.0} s), command: `{}`\n",
@@ -207,7 +212,7 @@ fn headline(md: &mut String, summary: &Summary) {
 }
 
 /// The Redis, HTTP and broker ceilings measured in the same run.
-fn ceilings(md: &mut String, summary: &Summary) {
+pub(super) fn ceilings(md: &mut String, summary: &Summary) {
     let _ = writeln!(md, "## Ceilings, measured in the same run\n");
     let _ = writeln!(
         md,
