@@ -390,7 +390,6 @@ fn with_retry_after(
     )
 )]
 /// `POST /flash/{sku}/queue`: joins the sale's waiting room, once.
-// One Redis script call, which answers the place too.
 pub async fn join_queue(
     State(state): State<AppState>,
     Path(sku): Path<String>,
@@ -404,9 +403,9 @@ pub async fn join_queue(
     if activity.window(now) == Window::Ended {
         return Err(AppError::Ended);
     }
-    let (place, joined_now) = state
+    let (_, joined_now) = state
         .waiting_room
-        .join(&activity, &user.id, now)
+        .join(&activity, &user.id)
         .await
         .map_err(redis_down)?
         .ok_or(AppError::Unavailable(
@@ -415,6 +414,11 @@ pub async fn join_queue(
     if joined_now {
         metrics::counter!("flashsale_waiting_room_joins_total").increment(1);
     }
+    let place = state
+        .waiting_room
+        .place(&activity, &user.id, now)
+        .await
+        .map_err(redis_down)?;
     let place =
         QueuePlace::of(place).ok_or(AppError::Unavailable("the waiting room lost the join"))?;
     let status = if joined_now {
@@ -439,9 +443,7 @@ pub async fn join_queue(
         (status = 503, description = "unavailable, with Retry-After", body = crate::error::ErrorBody),
     )
 )]
-/// `GET /flash/{sku}/queue`: the user's place, in at most one Redis round trip.
-// From this instance's memory when it cannot have changed since Redis last
-// said it (src/waiting_room/view.rs).
+/// `GET /flash/{sku}/queue`: the user's place, in one Redis round trip.
 pub async fn queue_status(
     State(state): State<AppState>,
     Path(sku): Path<String>,

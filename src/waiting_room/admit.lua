@@ -1,19 +1,15 @@
 -- One admission step: turns that ran out are settled `expired`; then as many
 -- users as there are units left, minus those admitted already, are admitted in
 -- queue order. While no unit can come back the room is closed: everyone still
--- waiting is told `sold_out` (see place.lua). That is not final: once units
+-- waiting is told `sold_out` (see status.lua). That is not final: once units
 -- come back (a top-up, a lapse refunded, a repair) the next step reopens it and
--- the line moves on from where it stood. A reopened room admits nobody for
--- ARGV[6] ms (by Redis's clock): longer than an instance answers polls from a
--- view of the room read before (view.rs), so no one is told `sold_out` from
--- such a view once admitted.
+-- the line moves on from where it stood.
 --
 -- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
 --       (see RoomKeys)
 -- ARGV[1] now (ms), ARGV[2] units left, ARGV[3] "1" when no unit can come back,
 -- ARGV[4] admitted until (ms) for those admitted now, ARGV[5] the sale's end
--- (ms): from then on, by Redis's clock, the room stays closed (`ended`),
--- ARGV[6] how long a reopened room waits before admitting (ms)
+-- (ms): from then on, by Redis's clock, the room stays closed (`ended`)
 --
 -- Returns {admitted and unsettled, admitted now, expired now}.
 if redis.call("HEXISTS", KEYS[7], "seed") == 0 then
@@ -30,20 +26,14 @@ if #gone > 0 then
 end
 local outstanding = redis.call("ZCARD", KEYS[5])
 local t = redis.call("TIME")
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if now >= tonumber(ARGV[5]) then
+if tonumber(t[1]) * 1000 >= tonumber(ARGV[5]) then
   redis.call("HSET", KEYS[7], "ended", "1")
 end
 if ARGV[3] == "1" or redis.call("HEXISTS", KEYS[7], "ended") == 1 then
   redis.call("HSET", KEYS[7], "closed", "1")
   return {outstanding, 0, #gone}
 end
-if redis.call("HDEL", KEYS[7], "closed") == 1 then
-  redis.call("HSET", KEYS[7], "hold_until", now + tonumber(ARGV[6]))
-end
-if now < tonumber(redis.call("HGET", KEYS[7], "hold_until") or "0") then
-  return {outstanding, 0, #gone}
-end
+redis.call("HDEL", KEYS[7], "closed")
 local room = tonumber(ARGV[2]) - outstanding
 local admitted = 0
 if room > 0 then
@@ -54,7 +44,6 @@ if room > 0 then
   end
   if admitted > 0 then
     redis.call("HINCRBY", KEYS[7], "admitted", admitted)
-    redis.call("HSETNX", KEYS[7], "first_admission", now)
   end
 end
 return {outstanding + admitted, admitted, #gone}

@@ -6,14 +6,13 @@
 //! - **The draw.** Just after `starts_at` (`DRAW_GRACE`, for instances whose clocks
 //!   differ a little) the order of everyone who joined before the start is drawn:
 //!   a Fisher–Yates shuffle of the users in arrival order driven by SplitMix64 from
-//!   a random 53-bit seed ([`draw_order`]). The seed (with the joiners' count and
-//!   digest) is recorded in MySQL first (`waiting_room_draws`, the first
-//!   instance's insert wins); the places then go to Redis as a growing prefix,
-//!   so the front of the line is admitted while the rest is written, and are
-//!   recorded in MySQL (`waiting_room_entries`) in batches meanwhile (see
-//!   `draw.rs`). Late joiners queue behind once every drawn place is written,
-//!   in arrival order. An auditor replays the draw from the seed and the arrival
-//!   order; a Redis that lost the queue gets the same places back from MySQL.
+//!   a random 53-bit seed ([`draw_order`]). The seed and every user's arrival
+//!   number and place are written to MySQL first (`waiting_room_draws`,
+//!   `waiting_room_entries`), in one transaction that only one instance wins; the
+//!   places then go to Redis (`draw.lua`, idempotent) and the draw is committed
+//!   (`commit.lua`). Late joiners queue behind, in arrival order. An auditor
+//!   replays the draw from the seed and the arrival order; a Redis that lost the
+//!   queue gets the same places back from MySQL.
 //! - **Admission follows the stock.** Every `tick_ms` each instance runs one
 //!   admission step (`admit.lua`, atomic, so instances do not add up): turns that
 //!   ran out are settled `expired`, then users are admitted in queue order until
@@ -25,10 +24,7 @@
 //! - **The draw sees every early joiner.** It reads them in the same atomic
 //!   step that seals the early joins (`seal.lua`): a join after that is late,
 //!   whatever the joining instance's clock says.
-//! - **Cheap to wait.** A join is one script call (`join.lua`, which answers the
-//!   place too), a poll at most one (`status.lua`), and none while its answer
-//!   cannot have changed: each instance answers it from a view of the room's
-//!   counters read every 20 ms and what it learnt of the user (see `view.rs`).
+//! - **Cheap to wait.** A user's place is one script call (`status.lua`).
 //! - **A room Redis lost comes back.** Joins and settled turns are
 //!   journalled in Redis and copied to MySQL in batches (`journal.lua`,
 //!   `waiting_room_journal`); a rebuilt room gets them back (`restore.lua`),
@@ -39,13 +35,7 @@
 //!
 //! Every key lives in the hash tag of the activity's shard 0 (`RoomKeys`).
 
-mod draw;
-mod view;
-
-pub use draw::{continue_order, digest, DrawTimes, DRAW_LEASE};
-pub use view::{Views, PLACE_CACHE_USERS, VIEW_EVERY, VIEW_MAX_AGE};
-
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -65,12 +55,8 @@ pub const LATE_PLACES: i64 = 1_000_000_000_000;
 /// How long after `starts_at` the draw waits, so that a join an instance with a
 /// slightly late clock still counted as early is in it.
 pub const DRAW_GRACE: Duration = Duration::from_secs(1);
-/// Journal rows restored to Redis per `restore.lua` call.
+/// Users written to Redis per `draw.lua` call.
 const DRAW_CHUNK: usize = 5_000;
-/// How long a reopened room admits nobody: longer than a view of the room
-/// answers polls ([`VIEW_MAX_AGE`]), so that no user admitted after a reopening
-/// is told `sold_out` from a view read before it.
-pub const REOPEN_HOLD: Duration = Duration::from_millis(200);
 /// How long a count of unpaid orders is reused (it is read only once nothing is
 /// left and nothing is pending).
 const UNPAID_TTL: Duration = Duration::from_secs(1);
@@ -110,43 +96,34 @@ pub enum Turn {
     None,
 }
 
-/// `place.lua`'s answer: `{state, arrival number, users ahead (-1: not placed
-/// or not waiting), admitted until ms (-1: not admitted), the room's
-/// generation, turns given, places moved}`.
-type PlaceReply = (String, String, i64, i64, String, i64, i64);
-
-/// `join.lua`'s answer: `{code, kind, place…}`.
-type JoinReply = (i64, String, String, String, i64, i64, String, i64, i64);
-
 /// What `join.lua` answered.
 #[derive(Debug, PartialEq, Eq)]
 enum Joined {
-    /// Joined just now, `early` or `late`.
-    Now { kind: String, reply: PlaceReply },
-    /// Joined before.
-    Before { reply: PlaceReply },
+    /// Joined just now, with this arrival number, `early` or `late`.
+    Now { seq: String, kind: String },
+    /// Joined before, with this arrival number.
+    Before { seq: String },
     /// The room is being rebuilt after Redis lost it.
     Rebuilding,
 }
 
 impl Joined {
-    /// `{1, kind, place…}` joined now, `{0, "", place…}` joined before, `{-1, …}`
+    /// `{1, seq, kind}` joined now, `{0, seq, ""}` joined before, `{-1, "", ""}`
     /// rebuilding.
-    fn decode((code, kind, state, seq, ahead, until, gen, given, moved): JoinReply) -> Self {
-        let reply = (state, seq, ahead, until, gen, given, moved);
+    fn decode((code, seq, kind): (i64, String, String)) -> Self {
         match code {
-            1 => Joined::Now { kind, reply },
+            1 => Joined::Now { seq, kind },
             c if c < 0 => Joined::Rebuilding,
-            _ => Joined::Before { reply },
+            _ => Joined::Before { seq },
         }
     }
 }
 
 impl Place {
-    /// The place in `place.lua`'s answer.
-    fn decode(a: &Activity, (state, seq, ahead, until, ..): &PlaceReply) -> Self {
-        let (ahead, until) = (*ahead, *until);
-        let ticket = ticket(a, seq);
+    /// `status.lua`'s `{state, arrival number, users ahead (-1: not drawn or not
+    /// waiting), admitted until ms (-1: not admitted)}`.
+    fn decode(a: &Activity, (state, seq, ahead, until): (String, String, i64, i64)) -> Self {
+        let ticket = ticket(a, &seq);
         match state.as_str() {
             "none" => Place::None,
             "admitted" => Place::Admitted {
@@ -181,15 +158,23 @@ impl Turn {
 enum Sealed {
     /// Before the draw is due: nothing sealed.
     Early,
-    /// Sealed: this many joined early.
-    Due(u64),
+    /// Sealed: every early joiner with their arrival number.
+    Due(Vec<(String, f64)>),
 }
 
 impl Sealed {
-    /// `{"due", count}`, or `{"early"}`.
+    /// `{"due", user, arrival, user, arrival, …}`, or `{"early"}`.
     fn decode(reply: Vec<String>) -> Self {
-        match reply.as_slice() {
-            [head, count] if head == "due" => Sealed::Due(count.parse().unwrap_or(0)),
+        match reply.split_first() {
+            Some((head, joined)) if head == "due" => Sealed::Due(
+                joined
+                    .chunks(2)
+                    .filter_map(|pair| match pair {
+                        [user, score] => Some((user.clone(), score.parse().ok()?)),
+                        _ => None,
+                    })
+                    .collect(),
+            ),
             _ => Sealed::Early,
         }
     }
@@ -225,7 +210,7 @@ pub struct WaitingRoom {
     settings: WaitingRoomSettings,
     join: Lua,
     draw: Lua,
-    lease: Lua,
+    commit: Lua,
     admit: Lua,
     turn: Lua,
     settle: Lua,
@@ -235,10 +220,6 @@ pub struct WaitingRoom {
     journal: Lua,
     joins: JoinRecorder,
     unpaid: Mutex<HashMap<String, (Instant, i64)>>,
-    /// Polls answered from memory: the rooms' views and the users' places.
-    pub views: Views,
-    /// Rooms whose draw runs on this instance now.
-    drawing: Mutex<HashSet<String>>,
 }
 
 fn ms(t: DateTime<Utc>) -> i64 {
@@ -260,23 +241,18 @@ impl WaitingRoom {
             pool,
             stock,
             settings,
-            join: Lua::new(concat!(include_str!("place.lua"), include_str!("join.lua"))),
+            join: Lua::new(include_str!("join.lua")),
             draw: Lua::new(include_str!("draw.lua")),
-            lease: Lua::new(include_str!("lease.lua")),
+            commit: Lua::new(include_str!("commit.lua")),
             admit: Lua::new(include_str!("admit.lua")),
             turn: Lua::new(include_str!("turn.lua")),
             settle: Lua::new(include_str!("settle.lua")),
-            status: Lua::new(concat!(
-                include_str!("place.lua"),
-                include_str!("status.lua")
-            )),
+            status: Lua::new(include_str!("status.lua")),
             seal: Lua::new(include_str!("seal.lua")),
             restore: Lua::new(include_str!("restore.lua")),
             journal: Lua::new(include_str!("journal.lua")),
             joins,
             unpaid: Mutex::default(),
-            views: Views::default(),
-            drawing: Mutex::default(),
         }
     }
 
@@ -290,15 +266,10 @@ impl WaitingRoom {
         invoke(&self.conn, lua, &keys.all(), args).await
     }
 
-    /// Joins `user`, in one script call: their place, and whether they joined
-    /// just now; `None` while a room Redis lost is being rebuilt (joining then
-    /// would give arrival numbers again from 1).
-    pub async fn join(
-        &self,
-        a: &Activity,
-        user: &str,
-        now: DateTime<Utc>,
-    ) -> RedisResult<Option<(Place, bool)>> {
+    /// Joins `user`: their ticket, and whether they joined just now; `None`
+    /// while a room Redis lost is being rebuilt (joining then would give
+    /// arrival numbers again from 1).
+    pub async fn join(&self, a: &Activity, user: &str) -> RedisResult<Option<(String, bool)>> {
         let lost_after =
             a.starts_at + chrono::Duration::from_std(DRAW_GRACE * 2).unwrap_or_default();
         let joined = Joined::decode(
@@ -310,40 +281,28 @@ impl WaitingRoom {
                     arg(ms(lost_after)),
                     arg(ms(a.starts_at)),
                     arg(LATE_PLACES),
-                    arg(ms(now)),
                 ],
             )
             .await?,
         );
         Ok(match joined {
             Joined::Rebuilding => None,
-            Joined::Now { kind, reply } => {
-                if let Ok(n) = reply.1.parse() {
+            Joined::Now { seq, kind } => {
+                if let Ok(n) = seq.parse() {
                     self.joins.record(&a.id, user, &kind, n).await;
                 }
-                Some((self.learnt(a, user, &reply), true))
+                Some((ticket(a, &seq), true))
             }
-            Joined::Before { reply } => Some((self.learnt(a, user, &reply), false)),
+            Joined::Before { seq } => Some((ticket(a, &seq), false)),
         })
     }
 
-    /// Where `user` stands: from memory when the answer cannot have changed
-    /// since Redis last gave it (see `view.rs`), else in one round trip.
+    /// Where `user` stands, in one round trip.
     pub async fn place(&self, a: &Activity, user: &str, now: DateTime<Utc>) -> RedisResult<Place> {
-        if let Some(answer) = self.views.answer(&a.id, user) {
-            return Ok(answer.place(|seq| ticket(a, &seq.to_string())));
-        }
-        self.views.count_redis();
-        let reply: PlaceReply = self
+        let status = self
             .run(a, &self.status, &[arg(user), arg(ms(now))])
             .await?;
-        Ok(self.learnt(a, user, &reply))
-    }
-
-    /// The place in a reply from Redis, kept for the user's next polls.
-    fn learnt(&self, a: &Activity, user: &str, reply: &PlaceReply) -> Place {
-        self.views.learn(&a.id, user, reply);
-        Place::decode(a, reply)
+        Ok(Place::decode(a, status))
     }
 
     /// Whether `user` holds a turn now (or has reserved already).
@@ -373,19 +332,9 @@ impl WaitingRoom {
                 .await?;
         let num = |k: &str| meta.get(k).and_then(|v| v.parse().ok());
         let seed = num("seed");
-        // While the draw's places are written, the drawn not yet in line and
-        // the late joiners wait too.
-        let unwritten = num("drawn")
-            .unwrap_or(0u64)
-            .saturating_sub(num("written").unwrap_or(0));
-        let waiting = match (seed, meta.contains_key("complete")) {
-            (None, _) => joined + late,
-            (Some(_), true) => queue,
-            (Some(_), false) => queue + unwritten + late,
-        };
         Ok(RoomFigures {
             joined: joined + late,
-            waiting,
+            waiting: if seed.is_some() { queue } else { joined + late },
             admitted,
             admitted_total: num("admitted").unwrap_or(0),
             expired_total: num("expired").unwrap_or(0),
@@ -394,35 +343,12 @@ impl WaitingRoom {
         })
     }
 
-    /// One upkeep step of an activity's room: once due, the draw runs in the
-    /// background (on the instance that holds its lease) until every place is
-    /// written and recorded; admissions run from its first places on.
-    pub async fn step(
-        self: &Arc<Self>,
-        a: &Arc<Activity>,
-        now: DateTime<Utc>,
-        shutdown: &CancellationToken,
-    ) -> anyhow::Result<()> {
+    /// One upkeep step of an activity's room: the draw once due, then admissions.
+    pub async fn step(&self, a: &Activity, now: DateTime<Utc>) -> anyhow::Result<()> {
         if now < a.starts_at + DRAW_GRACE {
             return Ok(());
         }
-        let keys = RoomKeys::new(&a.id, a.stock_shards);
-        let mut conn = self.conn.clone();
-        let (seed, complete, recorded): (Option<String>, Option<String>, Option<String>) =
-            redis::cmd("HMGET")
-                .arg(&keys.meta)
-                .arg("seed")
-                .arg("complete")
-                .arg("recorded")
-                .query_async(&mut conn)
-                .await
-                .context("reading the draw's state")?;
-        if complete.is_none() || recorded.is_none() {
-            self.spawn_draw(a.clone(), shutdown.clone());
-        }
-        if seed.is_none() {
-            return Ok(());
-        }
+        self.ensure_drawn(a).await?;
         let snap = self
             .stock
             .snapshot(&a.id, a.stock_shards)
@@ -451,7 +377,6 @@ impl WaitingRoom {
                     arg(if over { "1" } else { "0" }),
                     arg(ms(until)),
                     arg(ms(a.ends_at)),
-                    arg(REOPEN_HOLD.as_millis() as u64),
                 ],
             )
             .await
@@ -483,6 +408,39 @@ impl WaitingRoom {
         Ok(n)
     }
 
+    /// The draw, in MySQL then in Redis, unless Redis has it already.
+    async fn ensure_drawn(&self, a: &Activity) -> anyhow::Result<()> {
+        let keys = RoomKeys::new(&a.id, a.stock_shards);
+        let mut conn = self.conn.clone();
+        let committed: bool = redis::cmd("HEXISTS")
+            .arg(&keys.meta)
+            .arg("seed")
+            .query_async(&mut conn)
+            .await?;
+        if committed {
+            return Ok(());
+        }
+        // What MySQL knows first (a room rebuilt after a loss): the draw, the
+        // late joiners and settled turns, and so the highest arrival number.
+        let recorded = load_draw(&self.pool, &a.id).await?;
+        let restored = load_journal(&self.pool, &a.id).await?;
+        let highest = recorded
+            .iter()
+            .flat_map(|(_, order)| order.iter().map(|(_, seq)| *seq))
+            .chain(restored.iter().map(|(_, _, seq)| *seq))
+            .max()
+            .unwrap_or(0);
+        self.restore_journal(a, &restored).await?;
+        let Sealed::Due(joined) = self.seal_early_joins(a, highest).await? else {
+            return Ok(());
+        };
+        let (seed, order) = match recorded {
+            Some(draw) => draw,
+            None => self.new_draw(a, joined).await?,
+        };
+        self.write_draw(a, seed, &order).await
+    }
+
     /// A room rebuilt after a loss: its joiners (early ones too, if it was lost
     /// before its draw) and settled turns, before it is sealed.
     async fn restore_journal(&self, a: &Activity, restored: &[JournalRow]) -> anyhow::Result<()> {
@@ -493,6 +451,69 @@ impl WaitingRoom {
             }
             let _: i64 = self.run(a, &self.restore, &args).await?;
         }
+        Ok(())
+    }
+
+    /// Seals the early joins once the draw is due, numbering any join after
+    /// that above `highest`.
+    async fn seal_early_joins(&self, a: &Activity, highest: u64) -> anyhow::Result<Sealed> {
+        let due = a.starts_at + chrono::Duration::from_std(DRAW_GRACE).unwrap_or_default();
+        let sealed = self
+            .run(a, &self.seal, &[arg(ms(due)), arg(highest)])
+            .await?;
+        Ok(Sealed::decode(sealed))
+    }
+
+    /// Draws the early joiners' order and records it in MySQL, or takes the
+    /// draw another instance recorded first.
+    async fn new_draw(
+        &self,
+        a: &Activity,
+        joined: Vec<(String, f64)>,
+    ) -> anyhow::Result<(u64, Vec<(String, u64)>)> {
+        let arrivals: Vec<(String, u64)> = joined.into_iter().map(|(u, s)| (u, s as u64)).collect();
+        let seed = new_seed();
+        let users: Vec<String> = arrivals.iter().map(|(u, _)| u.clone()).collect();
+        let seq_of: HashMap<String, u64> = arrivals.into_iter().collect();
+        let order: Vec<(String, u64)> = draw_order(&users, seed)
+            .into_iter()
+            .map(|u| {
+                let seq = seq_of.get(&u).copied().unwrap_or(0);
+                (u, seq)
+            })
+            .collect();
+        if record_draw(&self.pool, &a.id, seed, &order).await? {
+            tracing::info!(activity_id = %a.id, seed, joined = order.len(), "waiting room drawn");
+            Ok((seed, order))
+        } else {
+            load_draw(&self.pool, &a.id)
+                .await?
+                .context("a draw recorded by another instance vanished")
+        }
+    }
+
+    /// Writes the drawn places to Redis, then commits the draw.
+    async fn write_draw(
+        &self,
+        a: &Activity,
+        seed: u64,
+        order: &[(String, u64)],
+    ) -> anyhow::Result<()> {
+        for (i, chunk) in order.chunks(DRAW_CHUNK).enumerate() {
+            let mut args = vec![arg(seed), arg(i * DRAW_CHUNK)];
+            for (user, seq) in chunk {
+                args.push(arg(user));
+                args.push(arg(seq));
+            }
+            let _: i64 = self.run(a, &self.draw, &args).await?;
+        }
+        let _: i64 = self
+            .run(
+                a,
+                &self.commit,
+                &[arg(seed), arg(order.len()), arg(LATE_PLACES)],
+            )
+            .await?;
         Ok(())
     }
 }
@@ -684,6 +705,11 @@ fn ticket(a: &Activity, seq: &str) -> String {
     format!("{}-{seq}", a.id)
 }
 
+/// A random seed below 2^53, so a metrics gauge shows it exactly.
+fn new_seed() -> u64 {
+    (uuid::Uuid::new_v4().as_u128() as u64) & ((1 << 53) - 1)
+}
+
 /// Fisher–Yates from the last place down, each swap partner `next() % (i + 1)`
 /// of SplitMix64 seeded with `seed`: the shuffle behind the draw.
 pub fn shuffle<T>(items: &mut [T], seed: u64) {
@@ -709,61 +735,75 @@ pub fn draw_order(users: &[String], seed: u64) -> Vec<String> {
     order
 }
 
+/// Records the draw (users in drawn order, with their arrival numbers) unless
+/// another instance did first (then `false`).
+async fn record_draw(
+    pool: &MySqlPool,
+    activity_id: &str,
+    seed: u64,
+    order: &[(String, u64)],
+) -> anyhow::Result<bool> {
+    let mut tx = pool.begin().await?;
+    let done = sqlx::query(
+        "INSERT IGNORE INTO waiting_room_draws (activity_id, seed, joined, drawn_at) \
+         VALUES (?, ?, ?, ?)",
+    )
+    .bind(activity_id)
+    .bind(seed)
+    .bind(u32::try_from(order.len()).context("too many joined")?)
+    .bind(Utc::now().naive_utc())
+    .execute(&mut *tx)
+    .await?;
+    if done.rows_affected() == 0 {
+        return Ok(false);
+    }
+    for (c, chunk) in order.chunks(1000).enumerate() {
+        let mut q = sqlx::QueryBuilder::new(
+            "INSERT INTO waiting_room_entries (activity_id, position, user_id, joined_seq) ",
+        );
+        q.push_values(chunk.iter().enumerate(), |mut b, (i, (user, seq))| {
+            b.push_bind(activity_id)
+                .push_bind((c * 1000 + i + 1) as u32)
+                .push_bind(user)
+                .push_bind(*seq);
+        });
+        q.build().execute(&mut *tx).await?;
+    }
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// The recorded draw: its seed, and the users in their drawn order with their
+/// arrival numbers.
+pub async fn load_draw(
+    pool: &MySqlPool,
+    activity_id: &str,
+) -> anyhow::Result<Option<(u64, Vec<(String, u64)>)>> {
+    let seed: Option<u64> =
+        sqlx::query_scalar("SELECT seed FROM waiting_room_draws WHERE activity_id = ?")
+            .bind(activity_id)
+            .fetch_optional(pool)
+            .await?;
+    let Some(seed) = seed else {
+        return Ok(None);
+    };
+    let order: Vec<(String, u64)> = sqlx::query_as(
+        "SELECT user_id, joined_seq FROM waiting_room_entries WHERE activity_id = ? ORDER BY position",
+    )
+    .bind(activity_id)
+    .fetch_all(pool)
+    .await?;
+    Ok(Some((seed, order)))
+}
+
 /// Every instance's upkeep of every waiting room from its start to a minute past
 /// its end, each `tick` (the admission steps are atomic, so instances never add
 /// up their admissions).
 pub async fn run(room: Arc<WaitingRoom>, cache: ActivityCache, shutdown: CancellationToken) {
     tokio::join!(
         admit_every_tick(&room, &cache, shutdown.clone()),
-        copy_journals(&room, &cache, shutdown.clone()),
-        read_views(&room, &cache, shutdown)
+        copy_journals(&room, &cache, shutdown)
     );
-}
-
-/// Every [`VIEW_EVERY`], the counters of each room polled on this instance, in
-/// one `HMGET` per room (see `view.rs`); rooms whose sale is over are
-/// forgotten.
-async fn read_views(room: &WaitingRoom, cache: &ActivityCache, shutdown: CancellationToken) {
-    let mut tick = tokio::time::interval(VIEW_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        let now = Utc::now();
-        let current: HashMap<String, Arc<Activity>> = cache
-            .waiting_rooms(now)
-            .into_iter()
-            .filter(|a| now <= a.ends_at + chrono::Duration::minutes(1))
-            .map(|a| (a.id.clone(), a))
-            .collect();
-        for id in room.views.polled() {
-            let Some(a) = current.get(&id) else {
-                room.views.forget(&id);
-                continue;
-            };
-            let keys = RoomKeys::new(&a.id, a.stock_shards);
-            let mut conn = room.conn.clone();
-            let asked = Instant::now();
-            let read: RedisResult<[Option<String>; 5]> = redis::cmd("HMGET")
-                .arg(&keys.meta)
-                .arg("gen")
-                .arg("seed")
-                .arg("closed")
-                .arg("admitted")
-                .arg("moved")
-                .query_async(&mut conn)
-                .await;
-            match read {
-                Ok(fields) => room.views.set_view(&id, asked, view::View::decode(fields)),
-                Err(err) => {
-                    room.views.set_view(&id, asked, None);
-                    tracing::debug!(activity_id = %id, error = %err, "reading the room's view failed");
-                }
-            }
-        }
-    }
 }
 
 /// How often each instance tries to copy the rooms' journals to MySQL, and how
@@ -787,19 +827,11 @@ async fn copy_journals(room: &WaitingRoom, cache: &ActivityCache, shutdown: Canc
     .await
 }
 
-async fn admit_every_tick(
-    room: &Arc<WaitingRoom>,
-    cache: &ActivityCache,
-    shutdown: CancellationToken,
-) {
+async fn admit_every_tick(room: &WaitingRoom, cache: &ActivityCache, shutdown: CancellationToken) {
     let every = Duration::from_millis(room.settings.tick_ms);
-    let stop = shutdown.clone();
-    every_room(every, cache, shutdown, |a, now| {
-        let stop = stop.clone();
-        async move {
-            if let Err(err) = room.step(&a, now, &stop).await {
-                tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "waiting room step failed");
-            }
+    every_room(every, cache, shutdown, |a, now| async move {
+        if let Err(err) = room.step(&a, now).await {
+            tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "waiting room step failed");
         }
     })
     .await
@@ -840,30 +872,28 @@ mod tests {
     #[test]
     fn script_replies_decode() {
         let s = |v: &str| v.to_owned();
-        let place = || (s("waiting"), s("7"), 3, -1, s("g"), 2, 0);
-        let joined = |code, kind: &str| {
-            let (state, seq, ahead, until, gen, given, moved) = place();
-            (code, s(kind), state, seq, ahead, until, gen, given, moved)
-        };
         assert_eq!(
-            Joined::decode(joined(1, "late")),
+            Joined::decode((1, s("7"), s("late"))),
             Joined::Now {
-                kind: s("late"),
-                reply: place()
+                seq: s("7"),
+                kind: s("late")
             }
         );
         assert_eq!(
-            Joined::decode(joined(0, "")),
-            Joined::Before { reply: place() }
+            Joined::decode((0, s("7"), s(""))),
+            Joined::Before { seq: s("7") }
         );
-        assert_eq!(Joined::decode(joined(-1, "")), Joined::Rebuilding);
+        assert_eq!(Joined::decode((-1, s(""), s(""))), Joined::Rebuilding);
         assert_eq!(
             [0, 1, 2].map(Turn::decode),
             [Turn::None, Turn::Held, Turn::RanOut]
         );
         assert_eq!(Sealed::decode(vec![s("early")]), Sealed::Early);
         assert_eq!(Sealed::decode(Vec::new()), Sealed::Early);
-        assert_eq!(Sealed::decode(vec![s("due"), s("12")]), Sealed::Due(12));
+        assert_eq!(
+            Sealed::decode(vec![s("due"), s("u1"), s("2"), s("u2"), s("x"), s("u3")]),
+            Sealed::Due(vec![(s("u1"), 2.0)])
+        );
     }
 
     #[test]

@@ -1,8 +1,7 @@
 -- Settles a user's turn once their reservation was accepted (`202`): their
 -- place among the admitted frees up for the next user in line. Settled even
 -- when the turn ran out while the reservation was in flight, or the user is
--- back in line (then everyone behind moves up: `moved` tells the instances
--- answering polls from memory).
+-- back in line: they hold a reservation, and are a buyer from now on.
 --
 -- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
 --       (see RoomKeys)
@@ -10,9 +9,7 @@
 --
 -- Returns 1 when this call settled it, 0 when it was settled before.
 redis.call("ZREM", KEYS[5], ARGV[1])
-if redis.call("ZREM", KEYS[4], ARGV[1]) == 1 then
-  redis.call("HINCRBY", KEYS[7], "moved", 1)
-end
+redis.call("ZREM", KEYS[4], ARGV[1])
 if redis.call("HGET", KEYS[6], ARGV[1]) == "reserved" then
   return 0
 end

@@ -3,10 +3,8 @@
 //! it at another server (a failover behind one address, as a virtual IP does), or
 //! holds what the service sends for a while (a request stalled on its way). It
 //! counts the bytes the service sends through it, so a test can see how much
-//! work the dependency was given, and, for a Redis, can keep the commands sent
-//! for a while ([`Relay::tap`], [`Relay::commands`]).
+//! work the dependency was given.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -19,11 +17,7 @@ pub struct Relay {
     stop: Arc<tokio::sync::Notify>,
     held: Arc<tokio::sync::watch::Sender<bool>>,
     sent: Arc<AtomicU64>,
-    tap: Tap,
 }
-
-/// What each connection sent while tapped, by connection.
-type Tap = Arc<Mutex<Option<HashMap<u64, Vec<u8>>>>>;
 
 impl Relay {
     /// A relay on a free port forwarding to `upstream` (`host:port`).
@@ -42,7 +36,6 @@ impl Relay {
             stop: Arc::new(tokio::sync::Notify::new()),
             held: Arc::new(tokio::sync::watch::Sender::new(false)),
             sent: Arc::new(AtomicU64::new(0)),
-            tap: Arc::default(),
         };
         let shared = Shared {
             up: relay.up.clone(),
@@ -51,8 +44,6 @@ impl Relay {
             upstream: relay.upstream.clone(),
             held: relay.held.clone(),
             sent: relay.sent.clone(),
-            tap: relay.tap.clone(),
-            connections: Arc::default(),
         };
         let stop = relay.stop.clone();
         // A thread and a runtime of its own: the relay keeps forwarding while the
@@ -86,27 +77,6 @@ impl Relay {
     /// (every request it made, on every connection).
     pub fn bytes_sent(&self) -> u64 {
         self.sent.load(Ordering::SeqCst)
-    }
-
-    /// Keeps what the service sends from now on, until [`Relay::commands`].
-    pub fn tap(&self) {
-        *self.tap.lock().unwrap_or_else(|e| e.into_inner()) = Some(HashMap::new());
-    }
-
-    /// The Redis commands the service sent since [`Relay::tap`], each as its
-    /// words (RESP arrays of bulk strings, read per connection); stops keeping
-    /// them.
-    pub fn commands(&self) -> Vec<Vec<String>> {
-        let kept = self
-            .tap
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .unwrap_or_default();
-        kept.values()
-            .map(Vec::as_slice)
-            .flat_map(resp_commands)
-            .collect()
     }
 
     /// Refuses new connections and drops the open ones.
@@ -149,41 +119,6 @@ struct Shared {
     upstream: Arc<Mutex<String>>,
     held: Arc<tokio::sync::watch::Sender<bool>>,
     sent: Arc<AtomicU64>,
-    tap: Tap,
-    connections: Arc<AtomicU64>,
-}
-
-/// The commands in a RESP request stream: arrays of bulk strings. Bytes that
-/// do not start one (a stream tapped half-way through a command) are skipped.
-pub fn resp_commands(mut bytes: &[u8]) -> Vec<Vec<String>> {
-    fn line(b: &[u8]) -> Option<(&[u8], &[u8])> {
-        let end = b.windows(2).position(|w| w == b"\r\n")?;
-        Some((&b[..end], &b[end + 2..]))
-    }
-    fn command(b: &[u8]) -> Option<(Vec<String>, &[u8])> {
-        let (head, mut rest) = line(b.strip_prefix(b"*")?)?;
-        let n: usize = std::str::from_utf8(head).ok()?.parse().ok()?;
-        let mut words = Vec::with_capacity(n);
-        for _ in 0..n {
-            let (len, after) = line(rest.strip_prefix(b"$")?)?;
-            let len: usize = std::str::from_utf8(len).ok()?.parse().ok()?;
-            let word = after.get(..len)?;
-            words.push(String::from_utf8_lossy(word).into_owned());
-            rest = after.get(len + 2..)?;
-        }
-        Some((words, rest))
-    }
-    let mut commands = Vec::new();
-    while !bytes.is_empty() {
-        match command(bytes) {
-            Some((words, rest)) => {
-                commands.push(words);
-                bytes = rest;
-            }
-            None => bytes = &bytes[1..],
-        }
-    }
-    commands
 }
 
 /// Takes connections while up (refuses them while down), each forwarded to
@@ -209,11 +144,7 @@ async fn accept(listener: std::net::TcpListener, shared: Shared) {
             shared.held.subscribe(),
             shared.sent.clone(),
         );
-        let tap = (
-            shared.tap.clone(),
-            shared.connections.fetch_add(1, Ordering::SeqCst),
-        );
-        tokio::spawn(forward(inbound, target, cut, held, sent, tap));
+        tokio::spawn(forward(inbound, target, cut, held, sent));
     }
 }
 
@@ -224,7 +155,6 @@ async fn forward(
     cut: Arc<tokio::sync::Notify>,
     mut held: tokio::sync::watch::Receiver<bool>,
     sent: Arc<AtomicU64>,
-    (tap, connection): (Tap, u64),
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
@@ -241,11 +171,6 @@ async fn forward(
                 Ok(n) => n,
             };
             sent.fetch_add(n as u64, Ordering::SeqCst);
-            if let Some(kept) = tap.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
-                kept.entry(connection)
-                    .or_default()
-                    .extend_from_slice(&buf[..n]);
-            }
             if held.wait_for(|h| !*h).await.is_err()
                 || to_upstream.write_all(&buf[..n]).await.is_err()
             {
