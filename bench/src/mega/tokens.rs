@@ -95,8 +95,8 @@ mod tests {
     use super::*;
     use secrecy::SecretString;
 
-    #[test]
-    fn every_user_gets_their_own_verifiable_token() {
+    #[tokio::test]
+    async fn every_user_gets_their_own_verifiable_token() {
         let auth = Auth::new(
             SecretString::from("a-bench-admin-token-0123"),
             &SecretString::from("a-bench-user-secret-0123"),
@@ -110,7 +110,7 @@ mod tests {
                 hyper::header::AUTHORIZATION,
                 book.header(i).expect("header"),
             );
-            let user = auth.user(&headers).expect("a valid token");
+            let user = auth.user(&headers).await.expect("a valid token");
             assert_eq!(&*user.id, format!("u-{i}").as_str());
         }
         assert!(book.header(1001).is_err());
