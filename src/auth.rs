@@ -144,7 +144,8 @@ impl Auth {
         Ok(user)
     }
 
-    /// Checks `Authorization: Bearer <admin token>` in constant time.
+    /// Checks `Authorization: Bearer <admin token>` in constant time: the shared
+    /// token only; `operators::Operators` names every admin caller.
     pub fn admin(&self, headers: &HeaderMap) -> Result<(), AppError> {
         let token = bearer(headers)?;
         let expected = self.admin_token.expose_secret().as_bytes();
@@ -156,7 +157,8 @@ impl Auth {
     }
 }
 
-fn bearer(headers: &HeaderMap) -> Result<&str, AppError> {
+/// The token of `Authorization: Bearer <token>`, or `401`.
+pub(crate) fn bearer(headers: &HeaderMap) -> Result<&str, AppError> {
     let value = headers
         .get(header::AUTHORIZATION)
         .ok_or(AppError::Unauthorized("missing Authorization header"))?

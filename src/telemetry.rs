@@ -121,6 +121,7 @@ const METRICS: &[(Kind, &str, &str)] = &[
     (Kind::Histogram, "flashsale_http_request_duration_seconds", "Time to answer an HTTP request, by method and route."),
     (Kind::Counter, "flashsale_http_requests_shed_total", "Requests answered 503 because the instance was at its concurrency limit."),
     (Kind::Counter, "flashsale_rate_limited_total", "Requests answered 429 by a per-IP or per-user token bucket."),
+    (Kind::Counter, "flashsale_audit_write_failures_total", "Admin actions whose audit entry could not be written to MySQL (the action stands; the entry is in the error log)."),
     (Kind::Counter, "flashsale_reservations_total", "Reservation attempts by outcome: reserved, or the error code answered."),
     (Kind::Histogram, "flashsale_kafka_publish_duration_seconds", "Time for the broker to acknowledge a reservation message."),
     (Kind::Counter, "flashsale_kafka_publish_failures_total", "Reservation publishes that failed; sent=no were never sent (units returned), sent=unknown were withdrawn through MySQL."),

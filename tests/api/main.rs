@@ -2,6 +2,7 @@
 //! broker. One file per feature; `helpers` builds an isolated app per test.
 
 mod admin;
+mod audit;
 mod errors;
 mod gate;
 mod helpers;
