@@ -112,23 +112,21 @@ impl AuditRepo {
     ) -> Result<Vec<Entry>, sqlx::Error> {
         const COLUMNS: &str = "id, at, operator, CAST(via AS CHAR) AS via, action, activity_id, \
                                request_id, request, status, code, summary, elapsed_ms";
+        // Two statements, so that one activity's entries are read through
+        // `admin_audit_by_activity` rather than by walking every entry.
         match activity_id {
             Some(id) => {
-                sqlx::query_as(&format!(
-                    "SELECT {COLUMNS} FROM admin_audit WHERE activity_id = ? ORDER BY id DESC LIMIT ?"
-                ))
-                .bind(id)
-                .bind(limit)
-                .fetch_all(&self.pool)
-                .await
+                let sql = format!(
+                    "SELECT {COLUMNS} FROM admin_audit WHERE activity_id = ? \
+                     ORDER BY id DESC LIMIT ?"
+                );
+                let query = sqlx::query_as(&sql).bind(id).bind(limit);
+                query.fetch_all(&self.pool).await
             }
             None => {
-                sqlx::query_as(&format!(
-                    "SELECT {COLUMNS} FROM admin_audit ORDER BY id DESC LIMIT ?"
-                ))
-                .bind(limit)
-                .fetch_all(&self.pool)
-                .await
+                let sql = format!("SELECT {COLUMNS} FROM admin_audit ORDER BY id DESC LIMIT ?");
+                let query = sqlx::query_as(&sql).bind(limit);
+                query.fetch_all(&self.pool).await
             }
         }
     }

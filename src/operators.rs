@@ -211,8 +211,7 @@ mod tests {
             .auth;
         auth.admin_token = SecretString::from("admin-token-0123456789");
         auth.user_token_secret = SecretString::from(SECRET);
-        auth.operators =
-            crate::config::OperatorCredentials::parse_list(operators).expect("parses");
+        auth.operators = crate::config::OperatorCredentials::parse_list(operators).expect("parses");
         auth
     }
 
@@ -261,7 +260,10 @@ mod tests {
         let err = who(&user).expect_err("a user is no operator");
         assert!(err.to_string().contains("operator role"), "{err}");
         for bad in [
-            jwt(serde_json::json!({"sub": "eve", "exp": exp, "role": "admin"}), SECRET),
+            jwt(
+                serde_json::json!({"sub": "eve", "exp": exp, "role": "admin"}),
+                SECRET,
+            ),
             jwt(
                 serde_json::json!({"sub": "eve", "exp": exp, "role": "operator"}),
                 "another-secret-0123456",

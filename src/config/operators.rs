@@ -160,15 +160,19 @@ mod tests {
 
     #[test]
     fn the_environment_form_parses() {
-        let ops = OperatorCredentials::parse_list(" alice:Alice-token-0123456789 , bob:b0b:token-with-colon-99 ,")
-            .expect("parses");
+        let ops = OperatorCredentials::parse_list(
+            " alice:Alice-token-0123456789 , bob:b0b:token-with-colon-99 ,",
+        )
+        .expect("parses");
         assert_eq!(ops.0.len(), 2);
         assert_eq!(ops.0[0].name, "alice");
         assert_eq!(ops.0[0].token.expose_secret(), "Alice-token-0123456789");
         assert_eq!(ops.0[1].name, "bob");
         assert_eq!(ops.0[1].token.expose_secret(), "b0b:token-with-colon-99");
         assert!(ops.validate(&admin()).is_ok());
-        assert!(OperatorCredentials::parse_list("").expect("empty").is_empty());
+        assert!(OperatorCredentials::parse_list("")
+            .expect("empty")
+            .is_empty());
         let err = OperatorCredentials::parse_list("alice").expect_err("no token");
         assert!(err.contains("name:token"), "{err}");
     }
@@ -185,10 +189,15 @@ mod tests {
             (one("alice", "aaaaaaaaaaaaaaaaaaaaaaaa"), "too weak"),
             (one("alice", "Alice token 0123456789"), "visible ASCII"),
             (one("alice", DEV_ADMIN_TOKEN), "published"),
-            (one("alice", "the-shared-admin-token-0123"), "auth.admin_token's"),
             (
-                OperatorCredentials::parse_list(&format!("alice:{good},alice:Other-token-0123456789"))
-                    .expect("parses"),
+                one("alice", "the-shared-admin-token-0123"),
+                "auth.admin_token's",
+            ),
+            (
+                OperatorCredentials::parse_list(&format!(
+                    "alice:{good},alice:Other-token-0123456789"
+                ))
+                .expect("parses"),
                 "name appears twice",
             ),
             (

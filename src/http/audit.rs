@@ -104,7 +104,9 @@ pub async fn record(State(state): State<AppState>, req: Request, next: Next) -> 
         let (parts, body) = response.into_parts();
         // The handlers build their answers in memory: reading one back costs a
         // copy of a few hundred bytes, and cannot fail.
-        let answer = axum::body::to_bytes(body, usize::MAX).await.unwrap_or_default();
+        let answer = axum::body::to_bytes(body, usize::MAX)
+            .await
+            .unwrap_or_default();
         let status = parts.status.as_u16();
         let parsed = serde_json::from_slice::<Value>(&answer).ok();
         let (code, summary) = if parts.status.is_success() {

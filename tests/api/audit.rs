@@ -66,7 +66,10 @@ async fn each_change_is_recorded_once_with_who_what_and_the_answer() {
     assert_eq!(e["code"], Value::Null);
     let request = e["request"].as_str().expect("request text");
     assert!(request.starts_with("POST /admin/activities {") && request.contains(&id));
-    assert!(e["summary"].as_str().is_some_and(|s| s.contains(&id)), "{e}");
+    assert!(
+        e["summary"].as_str().is_some_and(|s| s.contains(&id)),
+        "{e}"
+    );
 
     // Each change by its own caller: one entry more each time, newest first.
     for (step, caller, who) in [
@@ -148,7 +151,10 @@ async fn refused_changes_are_recorded_with_their_answer() {
 
     // 409: a preload while the sale is open.
     let resp = app
-        .send(app.api.admin_step_as(&sale.id, "preload", Caller::Token(BOB)))
+        .send(
+            app.api
+                .admin_step_as(&sale.id, "preload", Caller::Token(BOB)),
+        )
         .await;
     let body = assert_error(resp, StatusCode::CONFLICT, "conflict").await;
     let e = &app.audit_entries("").await[0];
@@ -158,7 +164,10 @@ async fn refused_changes_are_recorded_with_their_answer() {
 
     // 404: no such activity (a valid id: recorded as named).
     let resp = app
-        .send(app.api.admin_step_as("no-such-sale", "pause", Caller::Token(ALICE)))
+        .send(
+            app.api
+                .admin_step_as("no-such-sale", "pause", Caller::Token(ALICE)),
+        )
         .await;
     assert_error(resp, StatusCode::NOT_FOUND, "not_found").await;
     let e = &app.audit_entries("").await[0];
@@ -181,7 +190,9 @@ async fn refused_changes_are_recorded_with_their_answer() {
     let e = &app.audit_entries("").await[0];
     assert_entry(e, ("alice", "named"), "top_up", &sale.id, 422);
     assert_eq!(e["code"], "invalid_request");
-    assert!(e["request"].as_str().is_some_and(|r| r.ends_with(r#"{"add": 0}"#)));
+    assert!(e["request"]
+        .as_str()
+        .is_some_and(|r| r.ends_with(r#"{"add": 0}"#)));
 
     // 413: a body over the limit, refused before any handler; recorded cut short.
     let pad = "x".repeat(app.settings.server.body_limit_bytes);
@@ -237,12 +248,14 @@ async fn operators_are_named_by_their_token_and_strangers_refused() {
         // A user's token carries no operator role.
         Caller::Token(&user),
         // An operator's JWT signed with another key, or expired.
-        Caller::Token(&jsonwebtoken::encode(
-            &Header::new(Algorithm::HS256),
-            &json!({"sub": "eve", "exp": Utc::now().timestamp() + 600, "role": "operator"}),
-            &EncodingKey::from_secret(b"not-the-service-secret-0123").expect("a key"),
-        )
-        .expect("signed")),
+        Caller::Token(
+            &jsonwebtoken::encode(
+                &Header::new(Algorithm::HS256),
+                &json!({"sub": "eve", "exp": Utc::now().timestamp() + 600, "role": "operator"}),
+                &EncodingKey::from_secret(b"not-the-service-secret-0123").expect("a key"),
+            )
+            .expect("signed"),
+        ),
         Caller::Token(&jwt(
             &app,
             json!({"sub": "eve", "exp": Utc::now().timestamp() - 600, "role": "operator"}),
@@ -256,7 +269,10 @@ async fn operators_are_named_by_their_token_and_strangers_refused() {
         assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
     }
     let resp = app
-        .send(app.api.admin_step_as(&sale.id, "pause", Caller::Token(&user)))
+        .send(
+            app.api
+                .admin_step_as(&sale.id, "pause", Caller::Token(&user)),
+        )
         .await;
     let body = assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
     assert!(body["message"]
@@ -271,7 +287,10 @@ async fn operators_are_named_by_their_token_and_strangers_refused() {
         json!({"sub": "dora", "exp": Utc::now().timestamp() + 600, "role": "operator"}),
     );
     let resp = app
-        .send(app.api.admin_step_as(&sale.id, "pause", Caller::Token(&dora)))
+        .send(
+            app.api
+                .admin_step_as(&sale.id, "pause", Caller::Token(&dora)),
+        )
         .await;
     assert_eq!(resp.status(), StatusCode::OK);
     let entries = app.audit_entries("").await;
@@ -313,7 +332,9 @@ async fn the_trail_filters_by_activity_and_limits_and_refuses_bad_parameters() {
         .audit_entries(&format!("activity_id={}", first.id))
         .await;
     assert_eq!(of_first.len(), 6);
-    assert!(of_first.iter().all(|e| e["activity_id"] == first.id.as_str()));
+    assert!(of_first
+        .iter()
+        .all(|e| e["activity_id"] == first.id.as_str()));
     let actions: Vec<&str> = of_first
         .iter()
         .map(|e| e["action"].as_str().expect("action"))
@@ -338,7 +359,10 @@ async fn the_trail_filters_by_activity_and_limits_and_refuses_bad_parameters() {
         .await;
     assert_eq!(two, of_first[..2]);
     assert_eq!(app.audit_entries("activity_id=&limit=").await.len(), 9);
-    assert!(app.audit_entries("activity_id=never-acted-on").await.is_empty());
+    assert!(app
+        .audit_entries("activity_id=never-acted-on")
+        .await
+        .is_empty());
 
     for bad in [
         "limit=0",

@@ -85,7 +85,7 @@ async fn an_action_on_the_page_appears_in_the_audit_trail_under_the_operators_na
     // Before any action of hers: the chosen sale's trail, set up with the
     // shared token.
     browser
-        .wait_text("#audit-title", WAIT, |t| t.ends_with(&sale.id))
+        .wait_text("#audit-scope", WAIT, |t| t == sale.id)
         .await
         .expect("the trail follows the chosen sale");
     let trail = browser
@@ -93,11 +93,16 @@ async fn an_action_on_the_page_appears_in_the_audit_trail_under_the_operators_na
         .await
         .expect("the sale's preload listed");
     assert!(trail.contains("admin_token (shared)"), "{trail}");
-    assert!(!trail.contains("olga") && !trail.contains(&other.id), "{trail}");
+    assert!(
+        !trail.contains("olga") && !trail.contains(&other.id),
+        "{trail}"
+    );
 
     pause_from_the_page(&browser).await;
     let newest = browser
-        .wait_text("#audit-entries tr:first-child", WAIT, |t| t.contains("olga"))
+        .wait_text("#audit-entries tr:first-child", WAIT, |t| {
+            t.contains("olga")
+        })
         .await
         .expect("her pause is the newest entry");
     assert!(
@@ -106,22 +111,34 @@ async fn an_action_on_the_page_appears_in_the_audit_trail_under_the_operators_na
     );
 
     // A paused sale preloads again; then resumed: each action listed, in order.
-    browser.click("#btn-preload").await.expect("clicked");
-    browser.accept_dialog().await.expect("confirmed");
-    browser.click("#btn-resume").await.expect("clicked");
-    browser.accept_dialog().await.expect("confirmed");
+    for step in ["preload", "resume"] {
+        browser
+            .click(&format!("#btn-{step}"))
+            .await
+            .expect("clicked");
+        browser.accept_dialog().await.expect("confirmed");
+        browser
+            .wait_text("#answer", WAIT, |t| t.contains(&format!("/{step} → 200")))
+            .await
+            .expect("the page shows the answer");
+    }
     let newest = browser
-        .wait_text("#audit-entries tr:first-child", WAIT, |t| t.contains("resume"))
+        .wait_text("#audit-entries tr:first-child", WAIT, |t| {
+            t.contains("resume")
+        })
         .await
         .expect("her resume is the newest entry");
     assert!(newest.contains("olga"), "{newest}");
-    let entries = app
-        .audit_entries(&format!("activity_id={}", sale.id))
-        .await;
+    let entries = app.audit_entries(&format!("activity_id={}", sale.id)).await;
     let by_olga: Vec<(&str, u64)> = entries
         .iter()
         .filter(|e| e["operator"] == "olga")
-        .map(|e| (e["action"].as_str().unwrap_or("?"), e["status"].as_u64().unwrap_or(0)))
+        .map(|e| {
+            (
+                e["action"].as_str().unwrap_or("?"),
+                e["status"].as_u64().unwrap_or(0),
+            )
+        })
         .collect();
     assert_eq!(by_olga, [("resume", 200), ("preload", 200), ("pause", 200)]);
 
