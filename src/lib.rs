@@ -6,12 +6,14 @@
 //! module docs of `http`, `stock`, `kafka` and `orders`.
 
 pub mod activity;
+pub mod audit;
 pub mod auth;
 pub mod config;
 pub mod error;
 pub mod http;
 pub mod input;
 pub mod kafka;
+pub mod operators;
 pub mod orders;
 pub mod periodic;
 pub mod readiness;

@@ -19,10 +19,12 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::activity::{ActivityCache, ActivityRepo};
+use crate::audit::AuditRepo;
 use crate::auth::Auth;
 use crate::config::{MysqlSettings, RedisSettings, ServerSettings, Settings};
 use crate::http::{self, RateLimiters};
 use crate::kafka::{self, Publisher};
+use crate::operators::Operators;
 use crate::orders::{OrderConsumer, OrderRepo, OrderWriter, Sweeper};
 use crate::periodic;
 use crate::readiness::{self, Readiness};
@@ -187,6 +189,7 @@ impl Application {
         create_topics(&settings).await?;
         let cache = services.loaded_cache().await?;
         let auth = Auth::from_settings(&settings.auth)?;
+        let operators = Operators::from_settings(&settings.auth)?;
         let (listener, ops_listener) = bind_listeners(&settings.server).await?;
         let port = listener.local_addr().context("no local address")?.port();
         let ops_port = match &ops_listener {
@@ -224,6 +227,7 @@ impl Application {
             settings.kafka.clone(),
             reconcile_now.clone(),
         );
+        let audit = AuditRepo::new(pool.clone());
         let state = AppState::new(Inner {
             settings,
             pool,
@@ -237,6 +241,8 @@ impl Application {
             stocking,
             publisher,
             auth,
+            operators,
+            audit,
             reconciler,
             reconcile_now,
             metrics,

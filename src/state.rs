@@ -10,9 +10,11 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::activity::{ActivityCache, ActivityRepo};
+use crate::audit::AuditRepo;
 use crate::auth::Auth;
 use crate::config::Settings;
 use crate::kafka::Publisher;
+use crate::operators::Operators;
 use crate::orders::{OrderRepo, OrderWriter};
 use crate::readiness::Readiness;
 use crate::reconcile::Reconciler;
@@ -41,6 +43,10 @@ pub struct Inner {
     pub stocking: Stocking,
     pub publisher: Publisher,
     pub auth: Auth,
+    /// Who is acting on `/admin/*`.
+    pub operators: Operators,
+    /// The operators' audit trail.
+    pub audit: AuditRepo,
     pub reconciler: Reconciler,
     /// Wakes the reconciler at once (the API found an activity missing in Redis).
     pub reconcile_now: Arc<Notify>,

@@ -125,6 +125,7 @@ const METRICS: &[(Kind, &str, &str)] = &[
     (Kind::Counter, "flashsale_jwks_unknown_kid_total", "Tokens naming a kid the key set lacked; fetched=yes when they fetched the JWKS again, no when a fetch for an unknown kid had just been made."),
     (Kind::Gauge, "flashsale_jwks_keys", "Signing keys in the identity provider's JWKS as last fetched."),
     (Kind::Gauge, "flashsale_jwks_last_success_timestamp_seconds", "When the identity provider's JWKS was last fetched whole, in seconds since the Unix epoch."),
+    (Kind::Counter, "flashsale_audit_write_failures_total", "Admin actions whose audit entry could not be written to MySQL (the action stands; the entry is in the error log)."),
     (Kind::Counter, "flashsale_reservations_total", "Reservation attempts by outcome: reserved, or the error code answered."),
     (Kind::Histogram, "flashsale_kafka_publish_duration_seconds", "Time for the broker to acknowledge a reservation message."),
     (Kind::Counter, "flashsale_kafka_publish_failures_total", "Reservation publishes that failed; sent=no were never sent (units returned), sent=unknown were withdrawn through MySQL."),

@@ -14,8 +14,10 @@ use anyhow::{bail, Context};
 use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
 
+mod operators;
 mod trusted_proxies;
 
+pub use operators::{OperatorCredential, OperatorCredentials, SHARED_TOKEN_NAME};
 pub use trusted_proxies::TrustedProxies;
 
 /// The development admin token shipped in `config/default.toml`.
@@ -159,6 +161,10 @@ pub struct AuthSettings {
     pub jwks_min_refresh_secs: u64,
     /// How long one fetch of the JWKS may take.
     pub jwks_timeout_ms: u64,
+    /// Named admin credentials beside `admin_token` (`config::operators`);
+    /// none when absent.
+    #[serde(default)]
+    pub operators: OperatorCredentials,
 }
 
 impl AuthSettings {
@@ -259,11 +265,22 @@ impl Settings {
 
     /// Loads settings from the given folder for the given environment name.
     pub fn load_from(dir: &Path, env: &str) -> anyhow::Result<Self> {
+        Self::load_with_vars(dir, env, None)
+    }
+
+    /// `load_from` with these variables instead of the process's environment
+    /// (for tests, which must not change a variable other tests read).
+    fn load_with_vars(
+        dir: &Path,
+        env: &str,
+        vars: Option<config::Map<String, String>>,
+    ) -> anyhow::Result<Self> {
         let settings: Settings = config::Config::builder()
             .add_source(config::File::from(dir.join("default.toml")).required(true))
             .add_source(config::File::from(dir.join(format!("{env}.toml"))).required(false))
             .add_source(
                 config::Environment::with_prefix("FLASHSALE")
+                    .source(vars)
                     .prefix_separator("__")
                     .separator("__")
                     .list_separator(",")
@@ -331,6 +348,7 @@ impl Settings {
             bail!("consumer.batch_size must be at least 1");
         }
         self.auth.validate()?;
+        self.auth.operators.validate(&self.auth.admin_token)?;
         Ok(())
     }
 
@@ -438,6 +456,68 @@ mod tests {
             s.server.trusted_proxies,
             TrustedProxies::parse(&["10.0.0.0/8", "127.0.0.1"]).expect("parses")
         );
+    }
+
+    #[test]
+    fn operators_come_as_tables_or_as_name_token_pairs() {
+        let dir = tempfile_dir("operators");
+        std::fs::copy(config_dir().join("default.toml"), dir.join("default.toml"))
+            .expect("default.toml copied");
+        std::fs::write(
+            dir.join("staging.toml"),
+            "[[auth.operators]]\nname = \"alice\"\ntoken = \"Alice-token-0123456789\"\n\n\
+             [[auth.operators]]\nname = \"bob\"\ntoken = \"Bob-token-0123456789ab\"\n",
+        )
+        .expect("staging.toml written");
+        let s = Settings::load_from(&dir, "staging").expect("tables load");
+        let names: Vec<&str> = s.auth.operators.0.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(names, ["alice", "bob"]);
+        assert_eq!(
+            s.auth.operators.0[1].token.expose_secret(),
+            "Bob-token-0123456789ab"
+        );
+        // A duplicate stops the load, naming the entry.
+        std::fs::write(
+            dir.join("staging.toml"),
+            "[[auth.operators]]\nname = \"alice\"\ntoken = \"Alice-token-0123456789\"\n\n\
+             [[auth.operators]]\nname = \"alice\"\ntoken = \"Bob-token-0123456789ab\"\n",
+        )
+        .expect("staging.toml written");
+        let err = Settings::load_from(&dir, "staging").expect_err("duplicate refused");
+        assert!(format!("{err:#}").contains("appears twice"), "{err:#}");
+        std::fs::remove_dir_all(&dir).expect("folder removed");
+        // The default: none.
+        let s = Settings::load_from(&config_dir(), "development").expect("default config loads");
+        assert!(s.auth.operators.is_empty());
+    }
+
+    /// A folder of this test's own under the system's temporary folder.
+    fn tempfile_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "flashsale-config-{name}-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).expect("folder created");
+        dir
+    }
+
+    #[test]
+    fn operators_as_an_environment_variable() {
+        let vars = config::Map::from([(
+            "FLASHSALE__AUTH__OPERATORS".to_owned(),
+            "carol:Carol-token-0123456789,dave:Dave-token-0123456789x".to_owned(),
+        )]);
+        let s = Settings::load_with_vars(&config_dir(), "development", Some(vars))
+            .expect("config loads");
+        let names: Vec<&str> = s.auth.operators.0.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(names, ["carol", "dave"]);
+        let vars = config::Map::from([(
+            "FLASHSALE__AUTH__OPERATORS".to_owned(),
+            "carol:short".to_owned(),
+        )]);
+        let err = Settings::load_with_vars(&config_dir(), "development", Some(vars))
+            .expect_err("a short token is refused");
+        assert!(format!("{err:#}").contains("16 to 256"), "{err:#}");
     }
 
     #[test]

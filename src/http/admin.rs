@@ -1,4 +1,5 @@
-//! Operator endpoints under `/admin`, behind the admin token.
+//! Operator endpoints under `/admin`, behind an operator's credential (`crate::operators`);
+//! every change is recorded in the audit trail by the layer in front (`super::audit`).
 
 use std::collections::BTreeMap;
 

@@ -35,12 +35,15 @@ pub async fn require_user(
     Ok(next.run(req).await)
 }
 
+/// Names the operator behind the admin credential (`operators`) and hands them
+/// to the audit layer and the handlers.
 pub async fn require_admin(
     State(state): State<AppState>,
-    req: Request,
+    mut req: Request,
     next: Next,
 ) -> Result<Response<Body>, AppError> {
-    state.auth.admin(req.headers())?;
+    let operator = state.operators.identify(&state.auth, req.headers()).await?;
+    req.extensions_mut().insert(operator);
     Ok(next.run(req).await)
 }
 

@@ -2,9 +2,11 @@
 //!
 //! Outermost first: request id → trace span → metrics → load shedding, global
 //! concurrency limit and timeout → per-IP rate limit → routes. User routes add
-//! authentication and then the per-user rate limit; admin routes add the admin token.
+//! authentication and then the per-user rate limit; admin routes name the operator
+//! (`operators`) and record every change in the audit trail (`audit`).
 
 mod admin;
+mod audit;
 mod body;
 mod client_ip;
 mod flash;
@@ -64,6 +66,13 @@ pub fn router(state: AppState, limiters: &RateLimiters) -> Router {
         .route("/admin/activities/{id}/resume", post(admin::resume))
         .route("/admin/activities/{id}/reconcile", post(admin::reconcile))
         .route("/admin/activities/{id}/stock", post(admin::top_up))
+        .route("/admin/audit", get(audit::list))
+        // Inner: every admin request that changes something is recorded, with
+        // the operator the outer layer named.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            audit::record,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             middleware::require_admin,

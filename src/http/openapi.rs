@@ -30,6 +30,7 @@ use crate::error::ErrorBody;
         super::admin::resume,
         super::admin::reconcile,
         super::admin::top_up,
+        super::audit::list,
         super::admin::ui,
         super::page::buyer,
         super::ops::healthz,
@@ -42,7 +43,7 @@ use crate::error::ErrorBody;
     modifiers(&BearerTokens),
     tags(
         (name = "users", description = "Buyers, with a user JWT (HS256 with the service's secret, or RS256/ES256 from the identity provider; `sub` = user id, `exp` required)"),
-        (name = "operators", description = "Operators, with the admin token"),
+        (name = "operators", description = "Operators: the shared admin token, a named operator's token (`auth.operators`) or a JWT with `role: \"operator\"`; every change is recorded in the audit trail"),
         (name = "operations", description = "Probes, metrics, documents and pages: no token"),
     )
 )]

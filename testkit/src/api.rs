@@ -21,7 +21,7 @@ pub enum Caller<'a> {
     Token(&'a str),
     /// This whole `Authorization` header (another scheme than `Bearer`).
     Header(&'a str),
-    /// The operators' admin token.
+    /// The operators' shared admin token.
     Admin,
 }
 
@@ -142,10 +142,15 @@ impl Api {
     /// `POST /admin/activities/{id}/{step}`, for `preload`, `pause`, `resume`
     /// and `reconcile`, the operators' steps that take no body.
     pub fn admin_step(&self, id: &str, step: &str) -> RequestBuilder {
+        self.admin_step_as(id, step, Caller::Admin)
+    }
+
+    /// `admin_step` from another caller (a named operator's token, a JWT).
+    pub fn admin_step_as(&self, id: &str, step: &str, caller: Caller<'_>) -> RequestBuilder {
         self.request(
             Method::POST,
             &format!("/admin/activities/{id}/{step}"),
-            Caller::Admin,
+            caller,
         )
     }
 
@@ -173,6 +178,17 @@ impl Api {
             Caller::Admin,
         )
         .json(body)
+    }
+
+    /// `GET /admin/audit` with this query string (`activity_id=…&limit=…`,
+    /// or empty), from `caller`.
+    pub fn audit(&self, query: &str, caller: Caller<'_>) -> RequestBuilder {
+        let path = if query.is_empty() {
+            "/admin/audit".to_owned()
+        } else {
+            format!("/admin/audit?{query}")
+        };
+        self.request(Method::GET, &path, caller)
     }
 
     // Operations and pages.

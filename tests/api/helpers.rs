@@ -232,6 +232,18 @@ impl TestAppBuilder {
         })
     }
 
+    /// Named operators (`auth.operators`), each `(name, token)`.
+    pub fn operators(mut self, operators: &[(&str, &str)]) -> Self {
+        let list: Vec<String> = operators.iter().map(|(n, t)| format!("{n}:{t}")).collect();
+        self.settings.auth.operators =
+            flashsale::config::OperatorCredentials::parse_list(&list.join(","))
+                .expect("operators parse");
+        self.settings
+            .validate()
+            .expect("the operators are acceptable");
+        self
+    }
+
     /// How long an admitted waiting-room user has to reserve.
     pub fn turn_secs(mut self, secs: u64) -> Self {
         self.settings.waiting_room.turn_secs = secs;
@@ -467,6 +479,18 @@ impl TestApp {
     /// `POST /admin/activities/{id}/stock` with this body (`{"add": N}`).
     pub async fn top_up(&self, id: &str, body: Value) -> Response {
         self.send(self.api.top_up(id, &body)).await
+    }
+
+    /// `GET /admin/audit?{query}` with the shared token.
+    pub async fn audit(&self, query: &str) -> Response {
+        self.send(self.api.audit(query, Caller::Admin)).await
+    }
+
+    /// `GET /admin/audit?{query}`, which must answer `200`: its entries.
+    pub async fn audit_entries(&self, query: &str) -> Vec<Value> {
+        let resp = self.audit(query).await;
+        assert_eq!(resp.status(), StatusCode::OK, "GET /admin/audit?{query}");
+        resp.json().await.expect("a list of entries")
     }
 
     /// `GET /healthz`.

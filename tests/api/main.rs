@@ -3,6 +3,7 @@
 
 mod admin;
 mod buyer;
+mod audit;
 mod errors;
 mod gate;
 mod helpers;
