@@ -50,10 +50,13 @@ enum Command {
         #[arg(long)]
         user: String,
         /// Validity in seconds.
-        #[arg(long, default_value_t = 3600)]
+        #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(i64).range(1..=MAX_TTL_SECS))]
         ttl_secs: i64,
     },
 }
+
+/// `flashsale token --ttl-secs` at most: ten years.
+const MAX_TTL_SECS: i64 = 10 * 365 * 24 * 3600;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -63,6 +66,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve => {
             settings.check_published_secrets(&config::environment())?;
+            settings.check_identity_provider()?;
             let app = Application::build(settings).await?;
             let drain = app.drain_token();
             tokio::spawn(async move {

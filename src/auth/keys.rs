@@ -7,7 +7,7 @@
 //! signature check, which closes the RS256 → HS256 confusion (an HMAC made with
 //! the public key's bytes as the secret) and its kin.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -17,9 +17,10 @@ use jsonwebtoken::{Algorithm, DecodingKey};
 use serde::Deserialize;
 
 /// The most keys one JWKS document may bring; providers publish two or three.
-/// A token without a `kid` is tried against every key of its algorithm, so the
-/// set must stay small.
 pub const MAX_KEYS: usize = 32;
+
+/// The smallest RSA modulus accepted from a PEM file.
+const MIN_RSA_BITS: usize = 2048;
 
 /// One public key of the identity provider.
 pub struct ProviderKey {
@@ -28,6 +29,9 @@ pub struct ProviderKey {
     /// The one algorithm this key verifies.
     pub alg: Algorithm,
     pub key: DecodingKey,
+    /// SHA-256 of the key's public values (RFC 7638's thumbprint for a JWK,
+    /// of the DER for a PEM key): a key replaced under the same `kid` differs.
+    pub thumbprint: [u8; 32],
 }
 
 impl std::fmt::Debug for ProviderKey {
@@ -54,23 +58,36 @@ struct JwksDocument {
 }
 
 impl KeySet {
-    pub fn new(keys: Vec<ProviderKey>) -> Self {
+    /// The set of `keys`; a `kid` met twice is an error (PEM files are read at
+    /// start: two files with the same stem are a mistake to fix, not to guess).
+    pub fn new(keys: Vec<ProviderKey>) -> anyhow::Result<Self> {
         let mut set = KeySet::default();
         for key in keys {
-            let key = Arc::new(key);
             if let Some(kid) = &key.kid {
-                set.by_kid.insert(kid.clone(), key.clone());
+                if set.by_kid.contains_key(kid) {
+                    bail!("two keys are named {kid:?}: each kid must name one key");
+                }
             }
-            set.all.push(key);
+            set.push(key);
         }
-        set
+        Ok(set)
+    }
+
+    fn push(&mut self, key: ProviderKey) {
+        let key = Arc::new(key);
+        if let Some(kid) = &key.kid {
+            self.by_kid.insert(kid.clone(), key.clone());
+        }
+        self.all.push(key);
     }
 
     /// Parses a JWKS document (`{"keys": [...]}`). Keys this service cannot use
     /// (encryption keys, other key types or curves, broken values) are skipped
     /// with a warning; a document with none it can use is an error, so that the
-    /// keys in hand are kept.
-    pub fn from_jwks(body: &[u8]) -> anyhow::Result<Self> {
+    /// keys in hand are kept. A `kid` the document repeats, or that `taken` (the
+    /// PEM keys, which take precedence) already names, is skipped with a
+    /// warning: the first key of that name is kept.
+    pub fn from_jwks(body: &[u8], taken: &KeySet) -> anyhow::Result<Self> {
         let document: JwksDocument =
             serde_json::from_slice(body).context("the JWKS is not a JSON {\"keys\": [...]}")?;
         let mut keys = Vec::new();
@@ -80,7 +97,19 @@ impl KeySet {
                 .context("not a JWK")
                 .and_then(|jwk| from_jwk(&jwk));
             match parsed {
-                Ok(Some(key)) => keys.push(key),
+                Ok(Some(key)) => {
+                    let repeated = key.kid.as_deref().is_some_and(|kid| {
+                        taken.get(kid).is_some()
+                            || keys
+                                .iter()
+                                .any(|k: &ProviderKey| k.kid.as_deref() == Some(kid))
+                    });
+                    if repeated {
+                        tracing::warn!(kid = kid.as_deref().unwrap_or("-"), "skipping a key of the JWKS: its kid names another key already (a PEM key, or an earlier key of the JWKS)");
+                    } else {
+                        keys.push(key);
+                    }
+                }
                 Ok(None) => {}
                 Err(err) => {
                     tracing::warn!(kid = kid.as_deref().unwrap_or("-"), error = %format!("{err:#}"), "skipping a key of the JWKS");
@@ -93,7 +122,11 @@ impl KeySet {
         if keys.len() > MAX_KEYS {
             bail!("the JWKS holds {} keys, more than {MAX_KEYS}", keys.len());
         }
-        Ok(KeySet::new(keys))
+        let mut set = KeySet::default();
+        for key in keys {
+            set.push(key);
+        }
+        Ok(set)
     }
 
     /// The key named `kid`.
@@ -111,10 +144,17 @@ impl KeySet {
     }
 
     /// Whether a key of this set is missing from `newer` (withdrawn by the
-    /// provider): tokens remembered as verified may have been signed by it.
+    /// provider, or replaced by other key material under the same `kid`):
+    /// tokens remembered as verified may have been signed by it.
     pub fn loses_keys_in(&self, newer: &KeySet) -> bool {
-        self.by_kid.keys().any(|kid| newer.get(kid).is_none())
-            || self.all.len() - self.by_kid.len() > newer.all.len() - newer.by_kid.len()
+        let kept: HashSet<(Option<&str>, &[u8; 32])> = newer
+            .all
+            .iter()
+            .map(|k| (k.kid.as_deref(), &k.thumbprint))
+            .collect();
+        self.all
+            .iter()
+            .any(|k| !kept.contains(&(k.kid.as_deref(), &k.thumbprint)))
     }
 }
 
@@ -160,7 +200,28 @@ fn from_jwk(jwk: &Jwk) -> anyhow::Result<Option<ProviderKey>> {
         kid: jwk.common.key_id.clone(),
         alg,
         key,
+        thumbprint: jwk_thumbprint(&jwk.algorithm),
     }))
+}
+
+/// RFC 7638: SHA-256 of the key's required members, sorted, without spaces.
+fn jwk_thumbprint(params: &AlgorithmParameters) -> [u8; 32] {
+    let canonical = match params {
+        AlgorithmParameters::RSA(rsa) => serde_json::json!({"e": rsa.e, "kty": "RSA", "n": rsa.n}),
+        AlgorithmParameters::EllipticCurve(ec) => {
+            serde_json::json!({"crv": ec.curve, "kty": "EC", "x": ec.x, "y": ec.y})
+        }
+        // Only RSA and EC keys get this far.
+        _ => serde_json::Value::Null,
+    };
+    sha256(canonical.to_string().as_bytes())
+}
+
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    let mut out = [0u8; 32];
+    out.copy_from_slice(&sha2::Sha256::digest(bytes));
+    out
 }
 
 /// A PEM public key file (RSA: `PUBLIC KEY` or `RSA PUBLIC KEY`; EC: `PUBLIC
@@ -190,7 +251,10 @@ pub fn from_pem(pem: &[u8]) -> anyhow::Result<ProviderKey> {
 
     let (label, der) = pem_rfc7468::decode_vec(pem).map_err(|e| anyhow::anyhow!("not PEM: {e}"))?;
     let (alg, key) = match label {
-        "RSA PUBLIC KEY" => (Algorithm::RS256, DecodingKey::from_rsa_der(&der)),
+        "RSA PUBLIC KEY" => {
+            check_rsa(&der)?;
+            (Algorithm::RS256, DecodingKey::from_rsa_der(&der))
+        }
         "PUBLIC KEY" => {
             let info = spki::SubjectPublicKeyInfoRef::try_from(der.as_slice())
                 .map_err(|e| anyhow::anyhow!("not a SubjectPublicKeyInfo: {e}"))?;
@@ -203,9 +267,20 @@ pub fn from_pem(pem: &[u8]) -> anyhow::Result<ProviderKey> {
                 .oids()
                 .map_err(|e| anyhow::anyhow!("unreadable key algorithm: {e}"))?;
             match (oid, curve) {
-                (RSA, _) => (Algorithm::RS256, DecodingKey::from_rsa_der(bits)),
-                (EC, Some(P256)) => (Algorithm::ES256, DecodingKey::from_ec_der(bits)),
-                (EC, Some(P384)) => (Algorithm::ES384, DecodingKey::from_ec_der(bits)),
+                (RSA, _) => {
+                    check_rsa(bits)?;
+                    (Algorithm::RS256, DecodingKey::from_rsa_der(bits))
+                }
+                (EC, Some(P256)) => {
+                    p256::PublicKey::from_sec1_bytes(bits)
+                        .map_err(|_| anyhow::anyhow!("not a point on P-256"))?;
+                    (Algorithm::ES256, DecodingKey::from_ec_der(bits))
+                }
+                (EC, Some(P384)) => {
+                    p384::PublicKey::from_sec1_bytes(bits)
+                        .map_err(|_| anyhow::anyhow!("not a point on P-384"))?;
+                    (Algorithm::ES384, DecodingKey::from_ec_der(bits))
+                }
                 (EC, curve) => bail!("EC keys on P-256 or P-384 only, not {curve:?}"),
                 (other, _) => bail!("key algorithm {other} is not RSA or EC"),
             }
@@ -216,7 +291,21 @@ pub fn from_pem(pem: &[u8]) -> anyhow::Result<ProviderKey> {
         kid: None,
         alg,
         key,
+        thumbprint: sha256(&der),
     })
+}
+
+/// An RSA public key (PKCS#1 DER) that parses, of at least [`MIN_RSA_BITS`].
+fn check_rsa(pkcs1_der: &[u8]) -> anyhow::Result<()> {
+    use rsa::pkcs1::DecodeRsaPublicKey;
+    use rsa::traits::PublicKeyParts;
+    let key = rsa::PublicKey::from_pkcs1_der(pkcs1_der)
+        .map_err(|e| anyhow::anyhow!("not a valid RSA public key: {e}"))?;
+    let bits = key.size() * 8;
+    if bits < MIN_RSA_BITS {
+        bail!("an RSA key of {bits} bits is too small (at least {MIN_RSA_BITS})");
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -226,6 +315,8 @@ mod tests {
 
     const RSA_PUB: &str = include_str!("../../testkit/keys/test-only-rsa-a.pub.pem");
     const EC_PUB: &str = include_str!("../../testkit/keys/test-only-ec-a.pub.pem");
+    /// A public key only, too small to be accepted.
+    const RSA_1024: &str = "-----BEGIN PUBLIC KEY-----\nMIGfMA0GCSqGSIb3DQEBAQUAA4GNADCBiQKBgQDsMahlpy1d/JzZvEQYsvbvF+aa\nUXgWpFrMzrfWoF2tWJQOjcg6so9L19TNlrVGTH+WsByCe8J2X8sDOukB1yTFu+Sh\nbm0EdhwWfo7l7EvJn9qBy93A9mGmRfv2cE1bzKoPSxdO/nZEQyy4YUnv/JKkxg9e\n/FLM/OSp5Zcsp2AiEwIDAQAB\n-----END PUBLIC KEY-----\n";
 
     fn rsa_jwk(kid: &str) -> serde_json::Value {
         // A syntactically valid modulus; no signature is checked here.
@@ -243,7 +334,8 @@ mod tests {
             {"kty": "RSA", "kid": "r2", "alg": "HS256", "n": "AQAB", "e": "AQAB"},
             {"kty": "OKP", "kid": "o1", "crv": "X25519", "x": "AQAB"},
         ]});
-        let set = KeySet::from_jwks(body.to_string().as_bytes()).expect("parses");
+        let set =
+            KeySet::from_jwks(body.to_string().as_bytes(), &KeySet::default()).expect("parses");
         assert_eq!(set.len(), 2);
         assert_eq!(set.get("r1").expect("r1").alg, Algorithm::RS256);
         assert_eq!(set.get("e1").expect("e1").alg, Algorithm::ES256);
@@ -263,7 +355,10 @@ mod tests {
             r#"{"keys": []}"#,
             r#"{"keys": [{"kty": "oct", "k": "c2VjcmV0"}]}"#,
         ] {
-            assert!(KeySet::from_jwks(body.as_bytes()).is_err(), "{body}");
+            assert!(
+                KeySet::from_jwks(body.as_bytes(), &KeySet::default()).is_err(),
+                "{body}"
+            );
         }
     }
 
@@ -271,10 +366,47 @@ mod tests {
     fn a_withdrawn_key_is_noticed() {
         let one = |kids: &[&str]| {
             let keys: Vec<_> = kids.iter().map(|k| rsa_jwk(k)).collect();
-            KeySet::from_jwks(json!({ "keys": keys }).to_string().as_bytes()).expect("parses")
+            KeySet::from_jwks(
+                json!({ "keys": keys }).to_string().as_bytes(),
+                &KeySet::default(),
+            )
+            .expect("parses")
         };
         assert!(!one(&["a"]).loses_keys_in(&one(&["a", "b"])));
         assert!(one(&["a", "b"]).loses_keys_in(&one(&["b"])));
+        // The same kid on other key material is a withdrawal too.
+        let ec = json!({"keys": [{"kty": "EC", "crv": "P-256", "kid": "a", "x": "MKBCTNIcKUSDii11ySs3526iDZ8AiTo7Tu6KPAqv7D4", "y": "4Etl6SRW2YiLUrN5vfvVHuhp7x8PxltmWWlbbM4IFyM"}]});
+        let replaced =
+            KeySet::from_jwks(ec.to_string().as_bytes(), &KeySet::default()).expect("parses");
+        assert!(one(&["a"]).loses_keys_in(&replaced));
+        assert!(!one(&["a"]).loses_keys_in(&one(&["a"])));
+    }
+
+    #[test]
+    fn repeated_kids_keep_the_first_key_or_are_refused() {
+        let ec = json!({"kty": "EC", "crv": "P-256", "kid": "r1", "x": "MKBCTNIcKUSDii11ySs3526iDZ8AiTo7Tu6KPAqv7D4", "y": "4Etl6SRW2YiLUrN5vfvVHuhp7x8PxltmWWlbbM4IFyM"});
+        let body = json!({"keys": [rsa_jwk("r1"), ec, rsa_jwk("r2")]}).to_string();
+        let set = KeySet::from_jwks(body.as_bytes(), &KeySet::default()).expect("parses");
+        assert_eq!(set.len(), 2);
+        assert_eq!(
+            set.get("r1").expect("r1").alg,
+            Algorithm::RS256,
+            "the first kept"
+        );
+        // A PEM key of the same name takes precedence over the JWKS's.
+        let mut pem = from_pem(EC_PUB.as_bytes()).expect("ec");
+        pem.kid = Some("r2".into());
+        let pem = KeySet::new(vec![pem]).expect("one key");
+        let set = KeySet::from_jwks(body.as_bytes(), &pem).expect("parses");
+        assert!(set.get("r2").is_none());
+        // Two PEM keys of one name: refused.
+        let twice = |kid: &str| {
+            let mut key = from_pem(RSA_PUB.as_bytes()).expect("rsa");
+            key.kid = Some(kid.into());
+            key
+        };
+        assert!(KeySet::new(vec![twice("k"), twice("k")]).is_err());
+        assert!(KeySet::new(vec![twice("k"), twice("l")]).is_ok());
     }
 
     #[test]
@@ -288,6 +420,10 @@ mod tests {
             Algorithm::ES256
         );
         assert!(from_pem(b"-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n").is_err());
+        // A well-formed SubjectPublicKeyInfo whose RSA key does not parse, and
+        // an RSA key of 1024 bits: refused when read, not at the first token.
+        let err = from_pem(RSA_1024.as_bytes()).expect_err("1024 bits");
+        assert!(format!("{err:#}").contains("too small"), "{err:#}");
         let private = include_str!("../../testkit/keys/test-only-rsa-a.key.pem");
         assert!(
             from_pem(private.as_bytes()).is_err(),

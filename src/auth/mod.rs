@@ -5,12 +5,14 @@
 //!   the service's own tokens (`flashsale token`);
 //! - or signed by the identity provider (RS256, ES256, ...) with a key from its
 //!   JWKS (`auth.jwks_url`, [`jwks`]) or a PEM file (`auth.public_keys`),
-//!   and then it must also carry `auth.issuer` and `auth.audience` when set.
+//!   and then it must also carry `auth.issuer` and `auth.audience` when set
+//!   (`serve` refuses to start without both off loopback).
 //!
 //! The key decides the algorithm ([`keys`]): a token naming a provider key by
 //! `kid` is checked with that key's one algorithm, and refused when its header
-//! says another. A token without `kid` is checked against the provider keys of
-//! its algorithm. HS256 is only ever checked with the secret, never with a
+//! says another. A token without `kid` is accepted only when exactly one
+//! provider key has its algorithm. A PEM key's `kid` takes precedence over the
+//! JWKS's (a JWKS key of that name is skipped). HS256 is only ever checked with the secret, never with a
 //! provider key's bytes. Either way `exp` and `sub` (a user id) are required,
 //! and `exp`/`nbf` hold within `auth.leeway_secs`.
 //!
@@ -121,9 +123,9 @@ struct Hs256 {
 
 struct Provider {
     /// `auth.public_keys`, read at start.
-    pem_keys: KeySet,
+    pem_keys: Arc<KeySet>,
     /// `auth.jwks_url`'s keys.
-    remote: Option<RemoteKeys>,
+    remote: Option<Arc<RemoteKeys>>,
     /// `exp`, `sub`, and the configured issuer and audience; the algorithm is
     /// set per key.
     validation: Validation,
@@ -152,8 +154,9 @@ impl Auth {
         } else {
             None
         };
+        let verified = Arc::new(Verified::new(settings.verified_tokens));
         let provider = if settings.has_identity_provider() {
-            Some(Arc::new(Provider::from_settings(settings)?))
+            Some(Arc::new(Provider::from_settings(settings, &verified)?))
         } else {
             None
         };
@@ -161,7 +164,7 @@ impl Auth {
             admin_token: settings.admin_token.clone(),
             hs256,
             provider,
-            verified: Arc::new(Verified::new(settings.verified_tokens)),
+            verified,
             leeway: settings.leeway_secs,
         })
     }
@@ -186,7 +189,9 @@ impl Auth {
         })
     }
 
-    /// Keeps at most `capacity` verified tokens (0: verify every request in full).
+    /// Keeps at most `capacity` verified tokens (0: verify every request in
+    /// full). For the HS256-only `Auth` of [`Auth::new`]: the service's own is
+    /// sized by `auth.verified_tokens`.
     pub fn with_verified_tokens(mut self, capacity: usize) -> Self {
         self.verified = Arc::new(Verified::new(capacity));
         self
@@ -201,9 +206,13 @@ impl Auth {
         if !is_valid_id(user_id) {
             anyhow::bail!("user id must be 1 to 64 characters of A-Z, a-z, 0-9, '_' or '-'");
         }
+        let exp = chrono::Utc::now()
+            .timestamp()
+            .checked_add(ttl_secs)
+            .context("the token's validity overflows its expiry")?;
         let claims = Claims {
             sub: user_id.to_owned(),
-            exp: chrono::Utc::now().timestamp() + ttl_secs,
+            exp,
         };
         Ok(jsonwebtoken::encode(
             &Header::new(Algorithm::HS256),
@@ -219,13 +228,19 @@ impl Auth {
     pub async fn user(&self, headers: &HeaderMap) -> Result<User, AppError> {
         let token = bearer(headers)?;
         let now = jsonwebtoken::get_current_timestamp() as i64;
-        if let Some(user) = self.verified.get(token, now - self.leeway as i64) {
+        // `auth.leeway_secs` is at most 300 (checked at load).
+        if let Some(user) = self
+            .verified
+            .get(token, now.saturating_sub(self.leeway as i64))
+        {
             return Ok(user);
         }
+        // Read before any key is: a key withdrawn meanwhile bumps it.
+        let generation = self.verified.generation();
         let claims = self.verify(token, Signers::Any).await?;
         let (sub, exp) = claims.subject()?;
         let user = User { id: sub.into() };
-        self.verified.put(token, &user, exp);
+        self.verified.put(token, &user, exp, generation);
         Ok(user)
     }
 
@@ -267,9 +282,6 @@ impl Auth {
         };
         loop {
             let refreshed = remote.refresh().await;
-            if refreshed.lost_keys {
-                self.verified.clear();
-            }
             let wait: Duration = if refreshed.ok {
                 remote.refresh_every
             } else {
@@ -312,27 +324,18 @@ impl Auth {
         };
         match header.kid.as_deref() {
             Some(kid) => {
-                let key = self
-                    .key_for_unknown_kid(provider, kid)
+                let remote = provider
+                    .remote
+                    .as_ref()
+                    .ok_or(AppError::Unauthorized("token key id (kid) is unknown"))?;
+                let key = remote
+                    .key_for_unknown_kid(kid)
                     .await
                     .ok_or(AppError::Unauthorized("token key id (kid) is unknown"))?;
                 provider.verify_with(&key, &header, token)
             }
             None => provider.verify_unnamed(&header, token),
         }
-    }
-
-    async fn key_for_unknown_kid(
-        &self,
-        provider: &Provider,
-        kid: &str,
-    ) -> Option<Arc<ProviderKey>> {
-        let remote = provider.remote.as_ref()?;
-        let (key, refreshed) = remote.key_for_unknown_kid(kid).await;
-        if refreshed.lost_keys {
-            self.verified.clear();
-        }
-        key
     }
 }
 
@@ -353,17 +356,21 @@ impl Hs256 {
 }
 
 impl Provider {
-    fn from_settings(settings: &AuthSettings) -> anyhow::Result<Self> {
+    fn from_settings(settings: &AuthSettings, verified: &Arc<Verified>) -> anyhow::Result<Self> {
         let pem_keys = settings
             .public_keys
             .iter()
             .map(|path| keys::from_pem_file(path))
             .collect::<anyhow::Result<Vec<_>>>()?;
+        let pem_keys = Arc::new(
+            KeySet::new(pem_keys).context("auth.public_keys: two files have the same name")?,
+        );
         let remote = settings
             .jwks_url
             .as_deref()
-            .map(|url| RemoteKeys::new(url, settings))
-            .transpose()?;
+            .map(|url| RemoteKeys::new(url, settings, pem_keys.clone(), verified.clone()))
+            .transpose()?
+            .map(Arc::new);
         let mut required = vec!["exp", "sub"];
         // Without these, a token lacking the claim would pass the check.
         if settings.issuer.is_some() {
@@ -384,7 +391,7 @@ impl Provider {
             None => validation.validate_aud = false,
         }
         Ok(Provider {
-            pem_keys: KeySet::new(pem_keys),
+            pem_keys,
             remote,
             validation,
         })
@@ -419,28 +426,24 @@ impl Provider {
             .map_err(refusal)
     }
 
-    /// Checks a token that names no key against every key of its algorithm.
+    /// Checks a token that names no key with the one provider key of its
+    /// algorithm; with two or more, which one signed it is not the token's to
+    /// leave open (it is refused).
     fn verify_unnamed(&self, header: &Header, token: &str) -> Result<TokenClaims, AppError> {
         let remote = self.remote.as_ref().map(|r| r.current());
-        let candidates = self
+        let mut candidates = self
             .pem_keys
             .for_alg(header.alg)
             .chain(remote.iter().flat_map(|set| set.for_alg(header.alg)));
-        let mut tried = false;
-        for key in candidates {
-            tried = true;
-            match self.verify_with(key, header, token) {
-                Ok(claims) => return Ok(claims),
-                // Not this key's signature: try the next.
-                Err(AppError::Unauthorized(SIGNATURE_INVALID)) => continue,
-                Err(err) => return Err(err),
-            }
+        match (candidates.next(), candidates.next()) {
+            (Some(key), None) => self.verify_with(key, header, token),
+            (None, _) => Err(AppError::Unauthorized(
+                "token algorithm is not allowed for any key",
+            )),
+            (Some(_), Some(_)) => Err(AppError::Unauthorized(
+                "token names no key (kid) and more than one key could have signed it",
+            )),
         }
-        Err(AppError::Unauthorized(if tried {
-            SIGNATURE_INVALID
-        } else {
-            "token algorithm is not allowed for any key"
-        }))
     }
 }
 
@@ -549,7 +552,20 @@ mod tests {
         let t = a.issue("bob", 60).expect("issue");
         let h = bearer_of(&t);
         assert_eq!(&*a.user(&h).await.expect("first").id, "bob");
+        assert_eq!(a.verified.full_checks(), 1);
         assert_eq!(&*a.user(&h).await.expect("remembered").id, "bob");
+        assert_eq!(a.verified.full_checks(), 1, "answered from the cache");
+        // Verified while a key was withdrawn (a clear between the generation
+        // read and the put): not remembered.
+        let racing = a.issue("racer", 60).expect("issue");
+        let generation = a.verified.generation();
+        a.verified.clear();
+        let exp = jsonwebtoken::get_current_timestamp() as i64 + 60;
+        a.verified
+            .put(&racing, &User { id: "racer".into() }, exp, generation);
+        assert!(a.verified.get(&racing, 0).is_none(), "put after a clear");
+        a.user(&h).await.expect("verified again after the clear");
+        assert_eq!(a.verified.full_checks(), 3);
         // A tampered copy of a remembered token is a different string: verified
         // in full, and refused.
         let mut tampered = t.clone();
@@ -557,7 +573,9 @@ mod tests {
         assert!(a.user(&bearer_of(&tampered)).await.is_err());
         // An entry past its expiry is not a pass: the token is verified again.
         let now = jsonwebtoken::get_current_timestamp() as i64;
-        a.verified.put(&t, &User { id: "bob".into() }, now - 60);
+        let generation = a.verified.generation();
+        a.verified
+            .put(&t, &User { id: "bob".into() }, now - 60, generation);
         assert!(a.verified.get(&t, now - 5).is_none());
         // Full: emptied, and the newest kept.
         let small = auth().with_verified_tokens(2);
@@ -683,7 +701,7 @@ mod tests {
                 .await
                 .expect("a provider token");
             assert_eq!(&*user.id, "carol");
-            // No kid: tried against the keys of its algorithm.
+            // No kid: the one key of its algorithm.
             let token = signer.sign_with_kid(None, &provider_claims("dave"));
             assert_eq!(
                 &*a.user(&bearer_of(&token)).await.expect("no kid").id,
@@ -753,6 +771,56 @@ mod tests {
         // The service's own HS256 tokens still work beside the provider's.
         let own = a.issue("erin", 60).expect("issue");
         assert_eq!(&*a.user(&bearer_of(&own)).await.expect("HS256").id, "erin");
+    }
+
+    #[tokio::test]
+    async fn a_token_without_kid_needs_a_single_key_of_its_algorithm() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = with_pem_keys(dir.path(), true);
+        let rsa = TestSigner::rsa();
+        let token = rsa.sign_with_kid(None, &provider_claims("kidless"));
+        a.user(&bearer_of(&token)).await.expect("one RSA key");
+        // A second RSA key: which one signed is no longer the token's to leave open.
+        let mut settings = dev_auth();
+        settings.public_keys = vec![dir.path().join("rsa-a.pem"), dir.path().join("rsa-b.pem")];
+        std::fs::write(
+            &settings.public_keys[1],
+            include_str!("../../testkit/keys/test-only-rsa-b.pub.pem"),
+        )
+        .expect("write");
+        let two = Auth::from_settings(&settings).expect("auth");
+        let err = two
+            .user(&bearer_of(&token))
+            .await
+            .expect_err("two RSA keys");
+        assert_eq!(
+            err.to_string(),
+            "token names no key (kid) and more than one key could have signed it"
+        );
+        two.user(&bearer_of(&rsa.sign(&provider_claims("named"))))
+            .await
+            .expect("with its kid");
+        // Two files of one name: refused at start, naming the setting.
+        let other = tempfile::tempdir().expect("tempdir");
+        let again = other.path().join("rsa-a.pem");
+        std::fs::write(&again, rsa.public_pem).expect("write");
+        settings.public_keys = vec![dir.path().join("rsa-a.pem"), again];
+        let err = Auth::from_settings(&settings)
+            .err()
+            .expect("same stem twice");
+        assert!(format!("{err:#}").contains("auth.public_keys"), "{err:#}");
+    }
+
+    fn dev_auth() -> AuthSettings {
+        let mut settings = crate::config::Settings::load_from(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+            "development",
+        )
+        .expect("config")
+        .auth;
+        settings.issuer = Some(ISSUER.into());
+        settings.audience = Some("flashsale".into());
+        settings
     }
 
     #[tokio::test]

@@ -17,6 +17,7 @@
 //! it grows: at most about 170 bytes an entry (docs/DESIGN.md, measured).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use sha2::{Digest, Sha256};
@@ -25,8 +26,18 @@ use super::User;
 
 pub(super) struct Verified {
     capacity: usize,
+    tokens: Mutex<Tokens>,
+    /// Tokens verified in full (not answered from here): the hits are the
+    /// requests this number did not count.
+    full_checks: AtomicU64,
+}
+
+struct Tokens {
     /// SHA-256 of the token → its user.
-    tokens: Mutex<HashMap<[u8; 32], VerifiedUser>>,
+    map: HashMap<[u8; 32], VerifiedUser>,
+    /// Bumped by every `clear`: a token verified before a clear (perhaps with
+    /// a key withdrawn since) is not remembered after it.
+    generation: u64,
 }
 
 /// A verified token's user id and expiry (seconds since the epoch).
@@ -43,8 +54,25 @@ impl Verified {
     pub(super) fn new(capacity: usize) -> Self {
         Verified {
             capacity,
-            tokens: Mutex::default(),
+            tokens: Mutex::new(Tokens {
+                map: HashMap::new(),
+                generation: 0,
+            }),
+            full_checks: AtomicU64::new(0),
         }
+    }
+
+    /// Read before a token is verified in full and handed to `put`: the token
+    /// is remembered only if no `clear` came in between.
+    pub(super) fn generation(&self) -> u64 {
+        self.full_checks.fetch_add(1, Ordering::Relaxed);
+        self.lock().generation
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Tokens> {
+        // A poisoned lock only means a thread panicked between two statements
+        // of `put`/`clear`, each of which leaves the map whole.
+        self.tokens.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The user of a token verified before and not expired at `oldest_exp`.
@@ -53,37 +81,57 @@ impl Verified {
             return None;
         }
         let key = digest(token);
-        // A poisoned lock only means a thread panicked between two statements
-        // of `put`/`clear`, each of which leaves the map whole.
-        let tokens = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
-        match tokens.get(&key) {
+        let tokens = self.lock();
+        match tokens.map.get(&key) {
             Some((id, exp)) if *exp >= oldest_exp => Some(User { id: id.clone() }),
             _ => None,
         }
     }
 
-    pub(super) fn put(&self, token: &str, user: &User, exp: i64) {
+    /// Remembers a token verified in full since [`Verified::generation`]
+    /// returned `generation`; nothing when a `clear` came in between.
+    pub(super) fn put(&self, token: &str, user: &User, exp: i64, generation: u64) {
         if self.capacity == 0 {
             return;
         }
         let key = digest(token);
-        let mut tokens = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
-        if tokens.len() >= self.capacity {
-            tokens.clear();
-        }
-        tokens.insert(key, (user.id.clone(), exp));
+        let full = {
+            let mut tokens = self.lock();
+            if tokens.generation != generation {
+                return;
+            }
+            let full = if tokens.map.len() >= self.capacity {
+                Some(std::mem::take(&mut tokens.map))
+            } else {
+                None
+            };
+            tokens.map.insert(key, (user.id.clone(), exp));
+            full
+        };
+        // The full map's entries are freed here, with no request waiting on
+        // the lock meanwhile.
+        drop(full);
     }
 
-    /// Forgets every token (a key they may have been verified with is gone).
+    /// Forgets every token (a key they may have been verified with is gone),
+    /// and every token being verified now.
     pub(super) fn clear(&self) {
-        self.tokens
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        let old = {
+            let mut tokens = self.lock();
+            tokens.generation += 1;
+            std::mem::take(&mut tokens.map)
+        };
+        drop(old);
+    }
+
+    /// Tokens verified in full so far.
+    #[cfg(test)]
+    pub(super) fn full_checks(&self) -> u64 {
+        self.full_checks.load(Ordering::Relaxed)
     }
 
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
-        self.tokens.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.lock().map.len()
     }
 }

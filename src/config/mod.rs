@@ -167,6 +167,9 @@ pub struct AuthSettings {
     pub operators: OperatorCredentials,
 }
 
+/// The largest `auth.leeway_secs` accepted.
+pub const MAX_LEEWAY_SECS: u64 = 300;
+
 impl AuthSettings {
     /// Whether tokens signed by an identity provider are accepted.
     pub fn has_identity_provider(&self) -> bool {
@@ -203,6 +206,9 @@ impl AuthSettings {
         }
         if self.jwks_min_refresh_secs == 0 || self.jwks_timeout_ms == 0 {
             bail!("auth.jwks_min_refresh_secs and auth.jwks_timeout_ms must be positive");
+        }
+        if self.leeway_secs > MAX_LEEWAY_SECS {
+            bail!("auth.leeway_secs must be 0 to {MAX_LEEWAY_SECS} (a clock skew in seconds)");
         }
         if self.jwks_refresh_secs < self.jwks_min_refresh_secs {
             bail!("auth.jwks_refresh_secs must be at least auth.jwks_min_refresh_secs");
@@ -349,6 +355,32 @@ impl Settings {
         }
         self.auth.validate()?;
         self.auth.operators.validate(&self.auth.admin_token)?;
+        if self.auth.jwks_url.is_some()
+            && self.auth.jwks_timeout_ms >= self.server.request_timeout_ms
+        {
+            bail!("auth.jwks_timeout_ms must be less than server.request_timeout_ms: a request waiting for the JWKS must be answered before it times out");
+        }
+        Ok(())
+    }
+
+    /// Refuses an identity provider without both `auth.issuer` and
+    /// `auth.audience` whenever `server.addr` is not a loopback address: a
+    /// provider's keys sign the tokens of all its tenants and applications
+    /// (Firebase, Azure AD's common endpoint), which only these two tell apart.
+    /// On loopback, a warning. Called by `serve`.
+    pub fn check_identity_provider(&self) -> anyhow::Result<()> {
+        if !self.auth.has_identity_provider()
+            || (self.auth.issuer.is_some() && self.auth.audience.is_some())
+        {
+            return Ok(());
+        }
+        if !is_loopback(&self.server.addr) {
+            bail!(
+                "refusing to start: an identity provider is configured (auth.jwks_url or auth.public_keys) without both auth.issuer and auth.audience, and server.addr {} is not a loopback address; tokens the provider signs for others would be accepted",
+                self.server.addr
+            );
+        }
+        tracing::warn!("an identity provider is configured without both auth.issuer and auth.audience: any token its keys sign is accepted (allowed on loopback only)");
         Ok(())
     }
 
@@ -537,6 +569,67 @@ mod tests {
         assert!(!err.to_string().contains("admin_token"));
         s.auth.user_token_secret = SecretString::from("a-real-production-user-secret");
         assert!(s.check_published_secrets("production").is_ok());
+    }
+
+    #[test]
+    fn an_identity_provider_needs_issuer_and_audience_off_loopback() {
+        let mut s = Settings::load_from(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+            "development",
+        )
+        .expect("config");
+        s.auth.jwks_url = Some("https://idp.example/jwks.json".into());
+        s.server.addr = "0.0.0.0:8080".into();
+        for (issuer, audience) in [
+            (None, None),
+            (Some("https://idp.example"), None),
+            (None, Some("flashsale")),
+        ] {
+            s.auth.issuer = issuer.map(str::to_owned);
+            s.auth.audience = audience.map(str::to_owned);
+            let err = s
+                .check_identity_provider()
+                .expect_err("refused off loopback");
+            assert!(
+                err.to_string().contains("auth.issuer and auth.audience"),
+                "{err}"
+            );
+        }
+        s.server.addr = "127.0.0.1:8080".into();
+        s.check_identity_provider().expect("a warning on loopback");
+        s.server.addr = "0.0.0.0:8080".into();
+        s.auth.issuer = Some("https://idp.example".into());
+        s.auth.audience = Some("flashsale".into());
+        s.check_identity_provider().expect("both set");
+    }
+
+    #[test]
+    fn leeway_and_jwks_timeout_are_bounded() {
+        let mut s = Settings::load_from(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config"),
+            "development",
+        )
+        .expect("config");
+        s.validate().expect("valid");
+        s.auth.leeway_secs = 301;
+        assert!(s
+            .validate()
+            .expect_err("leeway")
+            .to_string()
+            .contains("auth.leeway_secs"));
+        s.auth.leeway_secs = u64::MAX;
+        assert!(s.validate().is_err());
+        s.auth.leeway_secs = 300;
+        s.validate().expect("300 is allowed");
+        s.auth.jwks_url = Some("https://idp.example/jwks.json".into());
+        s.auth.jwks_timeout_ms = s.server.request_timeout_ms;
+        assert!(s
+            .validate()
+            .expect_err("jwks timeout")
+            .to_string()
+            .contains("auth.jwks_timeout_ms"));
+        s.auth.jwks_timeout_ms = s.server.request_timeout_ms - 1;
+        s.validate().expect("shorter than a request");
     }
 
     #[test]

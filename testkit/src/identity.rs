@@ -182,7 +182,7 @@ pub fn unsigned(header: &Value, claims: &Value) -> String {
 }
 
 /// What the JWKS endpoint answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
     /// `200` with the published keys.
     Keys,
@@ -190,6 +190,8 @@ pub enum Answer {
     Status(u16),
     /// `200` with a body that is not a JWKS.
     Garbage,
+    /// `307 Temporary Redirect` to this URL.
+    Redirect(String),
 }
 
 struct Shared {
@@ -287,6 +289,7 @@ async fn jwks(State(shared): State<Arc<Shared>>) -> Response {
         )
             .into_response(),
         Answer::Garbage => "<html>maintenance</html>".into_response(),
+        Answer::Redirect(to) => axum::response::Redirect::temporary(&to).into_response(),
     };
     shared.requests.fetch_add(1, Ordering::SeqCst);
     response

@@ -8,8 +8,9 @@ use testkit::identity::{claims, sign_hs256, unsigned, Answer, IdentityProvider, 
 
 use crate::helpers::{assert_error, eventually, Caller, TestApp, TestAppBuilder, WAIT};
 
-/// Starts `builder`'s app trusting `idp`, once the app holds the provider's keys
-/// (its first fetch has been answered and stored).
+/// Starts `builder`'s app trusting `idp`, once the provider has answered the
+/// app's first fetch. A token arriving before that answer is stored joins the
+/// fetch under way (it waits for it, and sends no request of its own).
 async fn spawn_with(builder: TestAppBuilder, idp: &IdentityProvider) -> TestApp {
     let app = builder.identity_provider(idp).spawn().await;
     eventually(WAIT, "the JWKS fetched at start", || async {
@@ -423,5 +424,71 @@ async fn verify_claims_gives_an_operator_token_its_role() {
     // The service's own HS256 tokens carry no role, whatever they say.
     let own = app.token("ops-lead");
     assert!(app.state.auth.verify_claims(&own).await.is_err());
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_key_replaced_under_the_same_kid_stops_verifying_remembered_tokens() {
+    let (old, replacement) = (TestKey::ec_a(), TestKey::ec_b().named("ec-a"));
+    let idp = IdentityProvider::start(&[&old]).await;
+    let builder = TestApp::builder().auth(|auth| {
+        auth.jwks_refresh_secs = 1;
+        auth.jwks_min_refresh_secs = 1;
+    });
+    let app = spawn_with(builder, &idp).await;
+    let sale = app.open_sale(10, 1).await;
+    let token = old.token("replaced");
+    let resp = app.reserve_as(&sale.sku, Caller::Token(&token)).await;
+    assert_eq!(resp.status(), StatusCode::ACCEPTED);
+
+    // Same kid, other key material.
+    idp.publish(&[&replacement]);
+    let seen = idp.requests();
+    eventually(WAIT, "two refreshes after the replacement", || async {
+        (idp.requests() >= seen + 3).then_some(())
+    })
+    .await;
+    let resp = app
+        .send(app.api.reservation(&sale.sku, Caller::Token(&token)))
+        .await;
+    assert_error(resp, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    let status = app
+        .reserve_as(&sale.sku, Caller::Token(&replacement.token("newcomer")))
+        .await
+        .status();
+    assert_eq!(status, StatusCode::ACCEPTED, "the new key verifies");
+    assert_eq!(app.redis_stock(&sale).await, Some(8));
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_redirecting_provider_is_a_failed_fetch() {
+    let key = TestKey::rsa_a();
+    let idp = IdentityProvider::start(&[&key]).await;
+    let elsewhere = IdentityProvider::start(&[&key, &TestKey::rsa_b()]).await;
+    let app = spawn_with(TestApp::builder(), &idp).await;
+    let sale = app.open_sale(10, 1).await;
+
+    idp.answer(Answer::Redirect(elsewhere.jwks_url.clone()));
+    let seen = idp.requests();
+    let msg = refused(
+        &app,
+        &sale.sku,
+        &TestKey::rsa_b().token("redirected"),
+        "a key only the redirect's target holds",
+    )
+    .await;
+    assert_eq!(msg, "token key id (kid) is unknown");
+    assert_eq!(
+        idp.requests(),
+        seen + 1,
+        "the unknown kid asked the provider"
+    );
+    assert_eq!(elsewhere.requests(), 0, "the redirect was not followed");
+    // The keys in hand are kept.
+    let resp = app
+        .reserve_as(&sale.sku, Caller::Token(&key.token("kept")))
+        .await;
+    assert_eq!(resp.status(), StatusCode::ACCEPTED);
     app.stop().await;
 }
