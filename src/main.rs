@@ -58,8 +58,15 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let settings = Settings::load()?;
-    telemetry::init_tracing(&settings.log);
-    match cli.command {
+    let telemetry = telemetry::init_tracing(&settings.log, &settings.telemetry)?;
+    let result = run(cli.command, settings).await;
+    // The spans of the last moments are sent before the process exits.
+    telemetry.shutdown().await;
+    result
+}
+
+async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
+    match command {
         Command::Serve => {
             settings.check_published_secrets(&config::environment())?;
             let app = Application::build(settings).await?;

@@ -65,6 +65,12 @@ impl OrderWriter {
 
     /// One decision step, retried with backoff while MySQL's error is not a
     /// permanent one. `None` if shut down first; `Some(Err)` for bad data.
+    #[tracing::instrument(
+        name = "mysql.apply",
+        level = "debug",
+        skip_all,
+        fields(otel.kind = "client", db.system.name = "mysql", messages = batch.len())
+    )]
     pub async fn decide(
         &self,
         batch: &[Incoming],
@@ -161,6 +167,7 @@ impl OrderWriter {
     /// Redis for what MySQL refused, and return the units of what failed, lost or
     /// was withdrawn. A Redis failure here is logged; the sweeper (for failed rows)
     /// and the reconciler (for pending marks and drift) finish it.
+    #[tracing::instrument(name = "orders.settle", level = "debug", skip_all, fields(messages = batch.len()))]
     pub async fn settle(&self, batch: &[Incoming], decisions: &[Decision]) -> BatchReport {
         let mut report = BatchReport::default();
         let mut after = AfterCommit::default();
