@@ -14,5 +14,6 @@ mod reconcile;
 mod reserve;
 mod shards;
 mod topup;
+mod traces;
 mod ui;
 mod waiting_room;
