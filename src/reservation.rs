@@ -57,10 +57,10 @@ impl Outcome {
     }
 }
 
-/// The span of one Redis script call on the reservation path (debug: traces
-/// only), named `redis.<script>`.
+/// The span of one Redis script call on the reservation path (traces only),
+/// named `redis.<script>`.
 fn redis_span(name: &'static str, script: &'static str) -> tracing::Span {
-    tracing::debug_span!(
+    crate::detail_span!(
         "redis.script",
         otel.name = name,
         otel.kind = "client",
@@ -108,9 +108,9 @@ impl Reservations {
         quantity: u32,
         now: DateTime<Utc>,
     ) -> Outcome {
-        // A trace's step (debug: the logs never make it); its children are the
+        // A trace's step (made only while traces are on); its children are the
         // Redis scripts and the publish whose context the message carries.
-        let span = tracing::debug_span!(
+        let span = crate::detail_span!(
             "reserve",
             activity_id = %activity.id,
             quantity,

@@ -3,9 +3,9 @@
 //!
 //! Traces are off unless an OTLP endpoint is configured (`telemetry.*`, or the
 //! standard `OTEL_EXPORTER_OTLP_*` variables). Off, nothing below runs but one
-//! atomic load per publish and per consumed batch: no exporter thread, no layer,
-//! no trace headers, and the service's detail spans (debug level) are never
-//! created for the logs. On, the spans of `telemetry.filter` are sent in batches
+//! atomic load per traced step: no exporter thread, no layer, no trace headers,
+//! and the detail spans below the request are never made. On, the spans
+//! `log.filter` enables are sent in batches
 //! over OTLP/HTTP with JSON bodies, a reservation's trace context travels in its
 //! Kafka message's headers (`crate::kafka::trace`), and the request span's
 //! `trace_id` names its trace in every log line of the request.
@@ -68,8 +68,8 @@ impl Telemetry {
 }
 
 /// Installs the global tracing subscriber: the logs (`RUST_LOG` wins over
-/// `log.filter`) and, when an OTLP endpoint is configured, the trace exporter
-/// with its own filter (`telemetry.filter`). A second call (tests build many
+/// `log.filter`) and, when an OTLP endpoint is configured, the trace exporter.
+/// A second call (tests build many
 /// apps in one process) installs nothing and exports nothing.
 pub fn init_tracing(log: &LogSettings, telemetry: &TelemetrySettings) -> anyhow::Result<Telemetry> {
     let url = traces_url(telemetry, |k| std::env::var(k).ok())?;
@@ -79,35 +79,15 @@ pub fn init_tracing(log: &LogSettings, telemetry: &TelemetrySettings) -> anyhow:
     };
     let logs_filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&log.filter));
-    let logs = match log.format {
-        LogFormat::Json => fmt::layer()
-            .json()
-            .with_current_span(true)
-            .with_span_list(false)
-            .boxed(),
-        LogFormat::Text => fmt::layer().boxed(),
-    }
-    .with_filter(logs_filter);
-    let traces = match &provider {
-        Some(p) => {
-            let filter = EnvFilter::try_new(&telemetry.filter).with_context(|| {
-                format!(
-                    "telemetry.filter {:?} is not a valid filter",
-                    telemetry.filter
-                )
-            })?;
-            Some(
-                tracing_opentelemetry::layer()
-                    .with_tracer(p.tracer("flashsale"))
-                    .with_filter(filter),
-            )
-        }
-        None => None,
-    };
-    // Each layer has its filter: a span only the exporter wants (the debug-level
-    // detail spans) never reaches the logs, and with no exporter it is never made.
+    // One filter for everything: the spans exported are those the logs' filter
+    // enables. The detail spans below the request are made only while traces
+    // are on (see `detail_span!`), so with traces off the logs are as before.
+    let traces = provider
+        .as_ref()
+        .map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("flashsale")));
     let installed = tracing_subscriber::registry()
-        .with(logs)
+        .with(logs_filter)
+        .with(logs_layer(log.format, provider.is_some()))
         .with(traces)
         .try_init()
         .is_ok();
@@ -131,6 +111,40 @@ pub fn init_tracing(log: &LogSettings, telemetry: &TelemetrySettings) -> anyhow:
         }
         None => Ok(Telemetry { provider: None }),
     }
+}
+
+/// The log lines' layer, in the configured format. With traces on, a JSON line
+/// also lists every span it is in (`spans`): its current span may then be a
+/// detail span, and the request's fields (`request_id`, `trace_id`) are in the
+/// list.
+fn logs_layer<S>(
+    format: LogFormat,
+    traces: bool,
+) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    match format {
+        LogFormat::Json => fmt::layer()
+            .json()
+            .with_current_span(true)
+            .with_span_list(traces)
+            .boxed(),
+        LogFormat::Text => fmt::layer().boxed(),
+    }
+}
+
+/// A span made only while traces are on (`Span::none()` otherwise, at the cost
+/// of one atomic load): the steps below the request, which the logs never had.
+#[macro_export]
+macro_rules! detail_span {
+    ($($arg:tt)+) => {
+        if $crate::telemetry::traces_enabled() {
+            ::tracing::info_span!($($arg)+)
+        } else {
+            ::tracing::Span::none()
+        }
+    };
 }
 
 /// Where spans go (the full `/v1/traces` URL), or `None` when traces are off:
@@ -467,7 +481,6 @@ mod tests {
     fn settings(endpoint: &str) -> TelemetrySettings {
         TelemetrySettings {
             otlp_endpoint: endpoint.to_owned(),
-            filter: "flashsale=debug".to_owned(),
             export_delay_ms: 5000,
             sample_ratio: 1.0,
         }

@@ -48,8 +48,6 @@ pub struct TelemetrySettings {
     /// The collector's base URL (`http://host:4318`); `/v1/traces` is added.
     /// Empty: the standard `OTEL_EXPORTER_OTLP_*` variables decide.
     pub otlp_endpoint: String,
-    /// Which spans are exported, in `EnvFilter` syntax (apart from the logs').
-    pub filter: String,
     /// How long finished spans wait to be sent together.
     pub export_delay_ms: u64,
     /// The share of new traces recorded (0 to 1); a trace that arrives with a

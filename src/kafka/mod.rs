@@ -17,6 +17,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::util::Timeout;
 use serde::{Deserialize, Serialize};
+use tracing::Instrument;
 
 use crate::config::KafkaSettings;
 
@@ -159,20 +160,24 @@ impl Publisher {
     /// Publishes one reservation keyed by user id (one user's messages stay in
     /// order on one partition) and waits for the broker's acknowledgement.
     /// While traces are on, its headers carry this publish's trace context.
-    #[tracing::instrument(
-        name = "kafka.publish",
-        level = "debug",
-        skip_all,
-        fields(
+    pub async fn publish(&self, msg: &ReservationMessage) -> Result<(), PublishError> {
+        let span = crate::detail_span!(
+            "kafka.publish",
             otel.kind = "producer",
             messaging.system = "kafka",
             messaging.operation.type = "send",
             messaging.destination.name = %self.topic,
             reservation_id = %msg.reservation_id,
             otel.status_code = tracing::field::Empty,
-        )
-    )]
-    pub async fn publish(&self, msg: &ReservationMessage) -> Result<(), PublishError> {
+        );
+        let result = self.send(msg).instrument(span.clone()).await;
+        if result.is_err() {
+            span.record("otel.status_code", "ERROR");
+        }
+        result
+    }
+
+    async fn send(&self, msg: &ReservationMessage) -> Result<(), PublishError> {
         let payload = serde_json::to_vec(msg)?;
         let started = Instant::now();
         let mut record = FutureRecord::to(&self.topic)
@@ -191,7 +196,6 @@ impl Publisher {
             Err(_) => Err(PublishError::Timeout(self.timeout * 2)),
         };
         if result.is_err() {
-            tracing::Span::current().record("otel.status_code", "ERROR");
             self.replace_after_failure();
         }
         let outcome = if result.is_ok() { "ok" } else { "error" };

@@ -446,7 +446,7 @@ fn batch_span(batch: &[OwnedMessage]) -> Span {
     if !telemetry::traces_enabled() {
         return Span::none();
     }
-    let span = tracing::debug_span!(
+    let span = tracing::info_span!(
         parent: None,
         "consumer.batch",
         otel.kind = "consumer",
@@ -476,7 +476,7 @@ fn order_write_spans(sources: &[&OwnedMessage], incoming: &[Incoming]) -> Vec<Sp
         .iter()
         .zip(incoming)
         .map(|(m, i)| {
-            let span = tracing::debug_span!(
+            let span = tracing::info_span!(
                 "order.write",
                 otel.kind = "consumer",
                 db.system.name = "mysql",
