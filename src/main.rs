@@ -62,8 +62,15 @@ const MAX_TTL_SECS: i64 = 10 * 365 * 24 * 3600;
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let settings = Settings::load()?;
-    telemetry::init_tracing(&settings.log);
-    match cli.command {
+    let telemetry = telemetry::init_tracing(&settings.log, &settings.telemetry)?;
+    let result = run(cli.command, settings).await;
+    // The spans of the last moments are sent before the process exits.
+    telemetry.shutdown().await;
+    result
+}
+
+async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
+    match command {
         Command::Serve => {
             settings.check_published_secrets(&config::environment())?;
             settings.check_identity_provider()?;

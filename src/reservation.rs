@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use tokio::sync::Notify;
+use tracing::Instrument;
 
 use crate::activity::Activity;
 use crate::kafka::{Publisher, ReservationMessage};
@@ -41,6 +42,31 @@ pub enum Outcome {
     /// A dependency failed; nothing is held for the client (what may still be
     /// in flight is decided without it).
     Unavailable(&'static str),
+}
+
+impl Outcome {
+    /// A short name of the outcome, for traces.
+    fn label(&self) -> &'static str {
+        match self {
+            Outcome::Reserved { .. } => "reserved",
+            Outcome::AlreadyReserved { .. } => "already_reserved",
+            Outcome::SoldOut => "sold_out",
+            Outcome::Paused => "paused",
+            Outcome::Unavailable(_) => "unavailable",
+        }
+    }
+}
+
+/// The span of one Redis script call on the reservation path (traces only),
+/// named `redis.<script>`.
+fn redis_span(name: &'static str, script: &'static str) -> tracing::Span {
+    crate::detail_span!(
+        "redis.script",
+        otel.name = name,
+        otel.kind = "client",
+        db.system.name = "redis",
+        script,
+    )
 }
 
 /// A step that ends the reservation early gives the outcome to answer.
@@ -82,10 +108,24 @@ impl Reservations {
         quantity: u32,
         now: DateTime<Utc>,
     ) -> Outcome {
-        match self.run(activity, user_id, quantity, now).await {
+        // A trace's step (made only while traces are on); its children are the
+        // Redis scripts and the publish whose context the message carries.
+        let span = crate::detail_span!(
+            "reserve",
+            activity_id = %activity.id,
+            quantity,
+            outcome = tracing::field::Empty,
+        );
+        let outcome = match self
+            .run(activity, user_id, quantity, now)
+            .instrument(span.clone())
+            .await
+        {
             Ok(reservation_id) => Outcome::Reserved { reservation_id },
             Err(outcome) => outcome,
-        }
+        };
+        span.record("outcome", outcome.label());
+        outcome
     }
 
     async fn run(
@@ -140,6 +180,7 @@ impl Reservations {
                 &new_id,
                 now.timestamp_millis(),
             )
+            .instrument(redis_span("redis.reserve", "reserve.lua"))
             .await;
         let outcome = match reserved {
             Ok(outcome) => outcome,
@@ -209,6 +250,7 @@ impl Reservations {
         match self
             .stock
             .set_fate(&incoming.activity_id, reservation_id, true)
+            .instrument(redis_span("redis.fate", "fate.lua"))
             .await
         {
             Ok(FateChange::Done) => {

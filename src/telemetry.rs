@@ -1,33 +1,264 @@
-//! Logging (tracing) and metrics (Prometheus) set-up, each installed once per process.
+//! Logs (tracing), traces (OpenTelemetry) and metrics (Prometheus) set-up, each
+//! installed once per process.
+//!
+//! Traces are off unless an OTLP endpoint is configured (`telemetry.*`, or the
+//! standard `OTEL_EXPORTER_OTLP_*` variables). Off, nothing below runs but one
+//! atomic load per traced step: no exporter thread, no layer, no trace headers,
+//! and the detail spans below the request are never made. On, the spans
+//! `log.filter` enables are sent in batches
+//! over OTLP/HTTP with JSON bodies, a reservation's trace context travels in its
+//! Kafka message's headers (`crate::kafka::trace`), and the request span's
+//! `trace_id` names its trace in every log line of the request.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use opentelemetry::propagation::{Extractor, TextMapPropagator};
+use opentelemetry::trace::{TraceContextExt, TracerProvider};
+use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{
+    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider,
+};
+use opentelemetry_sdk::Resource;
+use tracing::Span;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::{fmt, prelude::*, EnvFilter};
 
-use crate::config::{LogFormat, LogSettings};
+use crate::config::{LogFormat, LogSettings, TelemetrySettings};
 
-/// Installs the global tracing subscriber. `RUST_LOG` wins over `log.filter`.
-/// A second call (tests build many apps in one process) is a no-op.
-pub fn init_tracing(settings: &LogSettings) {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&settings.filter));
-    let registry = tracing_subscriber::registry().with(filter);
-    let result = match settings.format {
-        LogFormat::Json => registry
-            .with(
-                fmt::layer()
-                    .json()
-                    .with_current_span(true)
-                    .with_span_list(false),
-            )
-            .try_init(),
-        LogFormat::Text => registry.with(fmt::layer()).try_init(),
+/// Whether this process exports traces: set once its subscriber holds the
+/// OpenTelemetry layer.
+static TRACES_ON: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process exports traces (and so carries trace context in the
+/// messages it publishes). One atomic load: the check every traced step makes
+/// before it does anything.
+pub fn traces_enabled() -> bool {
+    TRACES_ON.load(Ordering::Relaxed)
+}
+
+/// The process's tracing set-up; [`Telemetry::shutdown`] sends the spans still
+/// waiting before the process exits.
+#[must_use = "shut it down before exiting, or the last spans are lost"]
+pub struct Telemetry {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Telemetry {
+    /// Sends the spans still waiting and stops the exporter (no-op when traces
+    /// are off).
+    pub async fn shutdown(self) {
+        let Some(provider) = self.provider else {
+            return;
+        };
+        TRACES_ON.store(false, Ordering::Relaxed);
+        // The exporter's client blocks: not on a runtime thread.
+        match tokio::task::spawn_blocking(move || provider.shutdown()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, "the last spans may not have been exported")
+            }
+            Err(err) => tracing::warn!(error = %err, "the trace exporter's shutdown task failed"),
+        }
+    }
+}
+
+/// Installs the global tracing subscriber: the logs (`RUST_LOG` wins over
+/// `log.filter`) and, when an OTLP endpoint is configured, the trace exporter.
+/// A second call (tests build many
+/// apps in one process) installs nothing and exports nothing.
+pub fn init_tracing(log: &LogSettings, telemetry: &TelemetrySettings) -> anyhow::Result<Telemetry> {
+    let url = traces_url(telemetry, |k| std::env::var(k).ok())?;
+    let provider = match &url {
+        Some(url) => Some(tracer_provider(url, telemetry)?),
+        None => None,
     };
-    // Err only means a subscriber is already installed, which is fine.
-    let _ = result;
+    let logs_filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&log.filter));
+    // One filter for everything: the spans exported are those the logs' filter
+    // enables. The detail spans below the request are made only while traces
+    // are on (see `detail_span!`), so with traces off the logs are as before.
+    let traces = provider
+        .as_ref()
+        .map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer("flashsale")));
+    let installed = tracing_subscriber::registry()
+        .with(logs_filter)
+        .with(logs_layer(log.format, provider.is_some()))
+        .with(traces)
+        .try_init()
+        .is_ok();
+    match provider {
+        Some(provider) if installed => {
+            TRACES_ON.store(true, Ordering::Relaxed);
+            tracing::info!(
+                endpoint = url.as_deref().unwrap_or_default(),
+                "exporting traces"
+            );
+            Ok(Telemetry {
+                provider: Some(provider),
+            })
+        }
+        // Err only means a subscriber is already installed, which is fine; its
+        // exporter, if any, is that subscriber's.
+        Some(provider) => {
+            // Its shutdown blocks on the exporter's thread: not on this one.
+            std::thread::spawn(move || provider.shutdown());
+            Ok(Telemetry { provider: None })
+        }
+        None => Ok(Telemetry { provider: None }),
+    }
+}
+
+/// The log lines' layer, in the configured format. With traces on, a JSON line
+/// also lists every span it is in (`spans`): its current span may then be a
+/// detail span, and the request's fields (`request_id`, `trace_id`) are in the
+/// list.
+fn logs_layer<S>(
+    format: LogFormat,
+    traces: bool,
+) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    match format {
+        LogFormat::Json => fmt::layer()
+            .json()
+            .with_current_span(true)
+            .with_span_list(traces)
+            .boxed(),
+        LogFormat::Text => fmt::layer().boxed(),
+    }
+}
+
+/// A span made only while traces are on (`Span::none()` otherwise, at the cost
+/// of one atomic load): the steps below the request, which the logs never had.
+#[macro_export]
+macro_rules! detail_span {
+    ($($arg:tt)+) => {
+        if $crate::telemetry::traces_enabled() {
+            ::tracing::info_span!($($arg)+)
+        } else {
+            ::tracing::Span::none()
+        }
+    };
+}
+
+/// Where spans go (the full `/v1/traces` URL), or `None` when traces are off:
+/// `telemetry.otlp_endpoint`, else `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (used as
+/// it is), else `OTEL_EXPORTER_OTLP_ENDPOINT`; `OTEL_SDK_DISABLED=true` wins over
+/// all three. `env` reads a variable (a test passes its own).
+pub fn traces_url(
+    settings: &TelemetrySettings,
+    env: impl Fn(&str) -> Option<String>,
+) -> anyhow::Result<Option<String>> {
+    let var = |key: &str| {
+        env(key)
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
+    };
+    if var("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+        return Ok(None);
+    }
+    let base = |url: &str| format!("{}/v1/traces", url.trim_end_matches('/'));
+    let (url, from) = if !settings.otlp_endpoint.trim().is_empty() {
+        (
+            base(settings.otlp_endpoint.trim()),
+            "telemetry.otlp_endpoint",
+        )
+    } else if let Some(url) = var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") {
+        (url, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    } else if let Some(url) = var("OTEL_EXPORTER_OTLP_ENDPOINT") {
+        (base(&url), "OTEL_EXPORTER_OTLP_ENDPOINT")
+    } else {
+        return Ok(None);
+    };
+    // The exporter's client has no TLS (no native or crypto dependency for
+    // it): spans go to a collector next to the service, over plain HTTP.
+    if !url.starts_with("http://") {
+        bail!("{from} must be an http:// URL (OTLP over HTTP, no TLS), not {url:?}");
+    }
+    Ok(Some(url))
+}
+
+/// The exporter: batches of spans, JSON over HTTP, on the SDK's own thread.
+fn tracer_provider(url: &str, settings: &TelemetrySettings) -> anyhow::Result<SdkTracerProvider> {
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_protocol(Protocol::HttpJson)
+        .with_endpoint(url)
+        .build()
+        .with_context(|| format!("cannot build the OTLP exporter for {url}"))?;
+    let batches = BatchSpanProcessor::builder(exporter)
+        .with_batch_config(
+            BatchConfigBuilder::default()
+                .with_scheduled_delay(Duration::from_millis(settings.export_delay_ms))
+                .build(),
+        )
+        .build();
+    let service = std::env::var("OTEL_SERVICE_NAME")
+        .ok()
+        .filter(|s| !s.trim().is_empty())
+        .unwrap_or_else(|| "flashsale".to_owned());
+    let resource = Resource::builder()
+        .with_service_name(service)
+        .with_attribute(opentelemetry::KeyValue::new(
+            "service.version",
+            env!("CARGO_PKG_VERSION"),
+        ))
+        .build();
+    Ok(SdkTracerProvider::builder()
+        .with_span_processor(batches)
+        .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+            settings.sample_ratio,
+        ))))
+        .with_resource(resource)
+        .build())
+}
+
+/// The W3C trace-context propagator (`traceparent`, `tracestate`).
+pub fn propagator() -> TraceContextPropagator {
+    TraceContextPropagator::new()
+}
+
+/// An HTTP request's headers as a carrier of trace context.
+struct HttpHeaders<'a>(&'a axum::http::HeaderMap);
+
+impl Extractor for HttpHeaders<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
+    }
+}
+
+/// While traces are on: the request's span continues the caller's trace (a
+/// `traceparent` header from a gateway or a client), takes its name from the
+/// route (`otel_name`), and records its `trace_id` for the logs. Off: nothing.
+pub fn trace_request(
+    span: &Span,
+    headers: &axum::http::HeaderMap,
+    otel_name: impl FnOnce() -> String,
+) {
+    if !traces_enabled() {
+        return;
+    }
+    let caller = propagator().extract(&HttpHeaders(headers));
+    if caller.span().span_context().is_valid() {
+        // Fails only for a span the exporter filters out: nothing to continue.
+        let _ = span.set_parent(caller);
+    }
+    span.record("otel.name", otel_name());
+    span.record("otel.kind", "server");
+    let trace_id = span.context().span().span_context().trace_id();
+    if trace_id != opentelemetry::trace::TraceId::INVALID {
+        span.record("trace_id", tracing::field::display(trace_id));
+    }
 }
 
 /// When `/metrics` last read the activities' figures from Redis. Scrapes queue
@@ -250,6 +481,93 @@ fn record_process_metrics() {
 
 #[cfg(test)]
 mod tests {
+    use crate::config::TelemetrySettings;
+
+    fn settings(endpoint: &str) -> TelemetrySettings {
+        TelemetrySettings {
+            otlp_endpoint: endpoint.to_owned(),
+            export_delay_ms: 5000,
+            sample_ratio: 1.0,
+        }
+    }
+
+    fn url(endpoint: &str, vars: &[(&str, &str)]) -> anyhow::Result<Option<String>> {
+        super::traces_url(&settings(endpoint), |key| {
+            vars.iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    /// Off unless something names a collector; the key first, then the
+    /// standard variables; `OTEL_SDK_DISABLED=true` wins over everything.
+    #[test]
+    fn where_traces_go() {
+        assert_eq!(url("", &[]).expect("valid"), None);
+        assert_eq!(
+            url("  ", &[("OTEL_EXPORTER_OTLP_ENDPOINT", "")]).expect("valid"),
+            None
+        );
+        assert_eq!(
+            url(
+                "http://collector:4318/",
+                &[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://other:4318")]
+            )
+            .expect("valid")
+            .as_deref(),
+            Some("http://collector:4318/v1/traces")
+        );
+        assert_eq!(
+            url(
+                "",
+                &[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")]
+            )
+            .expect("valid")
+            .as_deref(),
+            Some("http://collector:4318/v1/traces")
+        );
+        assert_eq!(
+            url(
+                "",
+                &[
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318"),
+                    (
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                        "http://traces:4318/custom"
+                    ),
+                ]
+            )
+            .expect("valid")
+            .as_deref(),
+            Some("http://traces:4318/custom")
+        );
+        for off in ["true", "TRUE"] {
+            assert_eq!(
+                url("http://collector:4318", &[("OTEL_SDK_DISABLED", off)]).expect("valid"),
+                None
+            );
+        }
+        assert!(
+            url("http://collector:4318", &[("OTEL_SDK_DISABLED", "false")])
+                .expect("valid")
+                .is_some()
+        );
+    }
+
+    /// The exporter speaks plain HTTP only: anything else is refused at start,
+    /// naming where it came from.
+    #[test]
+    fn an_endpoint_that_is_not_plain_http_is_refused() {
+        let err = url("https://collector:4318", &[]).expect_err("no TLS");
+        assert!(err.to_string().contains("telemetry.otlp_endpoint"), "{err}");
+        let err =
+            url("", &[("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318")]).expect_err("not a URL");
+        assert!(
+            err.to_string().contains("OTEL_EXPORTER_OTLP_ENDPOINT"),
+            "{err}"
+        );
+    }
+
     /// Every metric recorded anywhere in `src/` has its HELP text here.
     #[test]
     fn every_recorded_metric_is_described() {

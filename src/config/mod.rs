@@ -39,6 +39,22 @@ pub struct Settings {
     pub orders: OrdersSettings,
     pub reconcile: ReconcileSettings,
     pub waiting_room: WaitingRoomSettings,
+    pub telemetry: TelemetrySettings,
+}
+
+/// OpenTelemetry traces, exported over OTLP/HTTP with JSON bodies. Off unless
+/// an endpoint is set here or in `OTEL_EXPORTER_OTLP_ENDPOINT` (see
+/// `crate::telemetry`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct TelemetrySettings {
+    /// The collector's base URL (`http://host:4318`); `/v1/traces` is added.
+    /// Empty: the standard `OTEL_EXPORTER_OTLP_*` variables decide.
+    pub otlp_endpoint: String,
+    /// How long finished spans wait to be sent together.
+    pub export_delay_ms: u64,
+    /// The share of new traces recorded (0 to 1); a trace that arrives with a
+    /// parent (a `traceparent` header) follows its parent's choice.
+    pub sample_ratio: f64,
 }
 
 /// Waiting rooms (activities with `"admission": "waiting_room"`).
@@ -353,6 +369,12 @@ impl Settings {
         if self.consumer.batch_size == 0 {
             bail!("consumer.batch_size must be at least 1");
         }
+        if self.telemetry.export_delay_ms == 0 {
+            bail!("telemetry.export_delay_ms must be positive");
+        }
+        if !(0.0..=1.0).contains(&self.telemetry.sample_ratio) {
+            bail!("telemetry.sample_ratio must be between 0 and 1");
+        }
         self.auth.validate()?;
         self.auth.operators.validate(&self.auth.admin_token)?;
         if self.auth.jwks_url.is_some()
@@ -476,6 +498,10 @@ mod tests {
         assert_eq!(s.reconcile.pending_deadline_secs, 60);
         assert_eq!(s.orders.sweep_interval_secs, 5);
         assert!(s.consumer.enabled);
+        assert!(
+            s.telemetry.otlp_endpoint.is_empty(),
+            "traces are off by default"
+        );
     }
 
     #[test]

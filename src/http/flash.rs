@@ -9,6 +9,7 @@ use axum::http::StatusCode;
 use axum::{Extension, Json};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use tracing::Instrument;
 
 use super::body;
 use crate::activity::{Activity, Admission, Window};
@@ -203,8 +204,10 @@ pub async fn reserve(
     // client hanging up (or the request timeout) cannot stop it half-way between
     // Redis and Kafka, nor between the answer and the turn it settles. Shutdown
     // waits for these tasks.
+    // The task runs in the request's span: its log lines carry the request id,
+    // and its trace is the request's.
     let task_state = state.clone();
-    let handle = state.critical.spawn(async move {
+    let task = async move {
         let outcome = task_state
             .reservations
             .reserve(&activity, &user.id, quantity, now)
@@ -213,7 +216,10 @@ pub async fn reserve(
             settle_turn(&task_state, &activity, &user, &outcome).await;
         }
         (outcome, activity)
-    });
+    };
+    let handle = state
+        .critical
+        .spawn(task.instrument(tracing::Span::current()));
     let (outcome, activity) = handle
         .await
         .map_err(|e| AppError::Internal(anyhow::Error::new(e).context("reserve task failed")))?;

@@ -21,6 +21,7 @@ use crate::auth::User;
 use crate::config::RateLimitSettings;
 use crate::error::AppError;
 use crate::state::AppState;
+use crate::telemetry;
 
 /// Verifies the user's token and hands the user to the handlers (and to the
 /// per-user rate limit, which runs after this).
@@ -48,7 +49,9 @@ pub async fn require_admin(
 }
 
 /// The span of one request: method, matched route and the request id set by
-/// `SetRequestIdLayer`, so every log line of the request carries its id.
+/// `SetRequestIdLayer`, so every log line of the request carries its id, and,
+/// while traces are on, its trace's id (`trace_id`), the caller's trace
+/// continued (see `telemetry::trace_request`).
 pub fn make_span(req: &Request) -> Span {
     let request_id = req
         .headers()
@@ -64,14 +67,20 @@ pub fn make_span(req: &Request) -> Span {
         .extensions()
         .get::<ClientIp>()
         .map_or_else(|| "-".to_owned(), |c| c.0.to_string());
-    tracing::info_span!(
+    let span = tracing::info_span!(
         "request",
         method = %req.method(),
         route,
         request_id,
         client_ip,
         user_id = tracing::field::Empty,
-    )
+        trace_id = tracing::field::Empty,
+        otel.name = tracing::field::Empty,
+        otel.kind = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+    );
+    telemetry::trace_request(&span, req.headers(), || format!("{} {route}", req.method()));
+    span
 }
 
 /// Counts requests by route and status and records their latency.
@@ -84,6 +93,9 @@ pub async fn track_metrics(req: Request, next: Next) -> Response<Body> {
         .unwrap_or_else(|| "unmatched".to_owned());
     let method = req.method().as_str().to_owned();
     let response = next.run(req).await;
+    if telemetry::traces_enabled() {
+        Span::current().record("http.response.status_code", response.status().as_u16());
+    }
     let status = response.status().as_u16().to_string();
     metrics::counter!("flashsale_http_requests_total", "method" => method.clone(), "route" => route.clone(), "status" => status)
         .increment(1);

@@ -1,5 +1,7 @@
 //! Kafka side: the reservation message, the idempotent producer that publishes it,
-//! and topic creation.
+//! topic creation, and the trace context its headers carry (`trace`).
+
+pub mod trace;
 
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -15,6 +17,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::util::Timeout;
 use serde::{Deserialize, Serialize};
+use tracing::Instrument;
 
 use crate::config::KafkaSettings;
 
@@ -156,12 +159,33 @@ impl Publisher {
 
     /// Publishes one reservation keyed by user id (one user's messages stay in
     /// order on one partition) and waits for the broker's acknowledgement.
+    /// While traces are on, its headers carry this publish's trace context.
     pub async fn publish(&self, msg: &ReservationMessage) -> Result<(), PublishError> {
+        let span = crate::detail_span!(
+            "kafka.publish",
+            otel.kind = "producer",
+            messaging.system = "kafka",
+            messaging.operation.type = "send",
+            messaging.destination.name = %self.topic,
+            reservation_id = %msg.reservation_id,
+            otel.status_code = tracing::field::Empty,
+        );
+        let result = self.send(msg).instrument(span.clone()).await;
+        if result.is_err() {
+            span.record("otel.status_code", "ERROR");
+        }
+        result
+    }
+
+    async fn send(&self, msg: &ReservationMessage) -> Result<(), PublishError> {
         let payload = serde_json::to_vec(msg)?;
         let started = Instant::now();
-        let record = FutureRecord::to(&self.topic)
+        let mut record = FutureRecord::to(&self.topic)
             .key(msg.user_id.as_bytes())
             .payload(&payload);
+        if let Some(headers) = trace::current_headers() {
+            record = record.headers(headers);
+        }
         // librdkafka reports within message.timeout.ms; the outer bound only guards
         // against a report that never comes.
         let producer = self.current();

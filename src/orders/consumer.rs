@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Context;
+use opentelemetry::trace::TraceContextExt;
 use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{
@@ -22,13 +23,16 @@ use rdkafka::message::{BorrowedMessage, Message, OwnedMessage};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, Span};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use super::repo::Incoming;
+use super::repo::{Decision, Incoming};
 use super::stall::{StallWatch, Verdict};
 use super::writer::{OrderWriter, MAX_BACKOFF};
 use crate::config::{KafkaSettings, Settings};
 use crate::input::is_valid_id;
-use crate::kafka::{GroupProbe, PartitionOffsets, Publisher, ReservationMessage};
+use crate::kafka::{self, GroupProbe, PartitionOffsets, Publisher, ReservationMessage};
+use crate::telemetry;
 
 /// Messages this process's consumer sent to the dead-letter topic.
 static DEAD_LETTERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -189,7 +193,11 @@ impl OrderConsumer {
             let Some(batch) = self.next_batch(&mut watch, &shutdown).await else {
                 break;
             };
-            if !self.handle(&batch, &shutdown).await {
+            if !self
+                .handle(&batch, &shutdown)
+                .instrument(batch_span(&batch))
+                .await
+            {
                 break;
             }
             // Between batches: a rejoin never revokes a batch half done.
@@ -354,9 +362,11 @@ impl OrderConsumer {
                 }
             }
         }
+        let writes = order_write_spans(&sources, &incoming);
         let Some((decisions, refused)) = self.writer.write(&incoming, shutdown).await else {
             return false;
         };
+        end_order_writes(writes, &decisions);
         for (i, reason) in refused {
             let m = sources[i];
             if !self
@@ -426,5 +436,69 @@ impl OrderConsumer {
         if let Err(err) = self.consumer.commit(&tpl, CommitMode::Async) {
             tracing::warn!(error = %err, "offset commit failed; the batch may be redelivered");
         }
+    }
+}
+
+/// While traces are on, the span of one batch: a root of its own (a batch
+/// mixes many requests' messages), linked to the trace of each message that
+/// carries one. Off: no span.
+fn batch_span(batch: &[OwnedMessage]) -> Span {
+    if !telemetry::traces_enabled() {
+        return Span::none();
+    }
+    let span = tracing::info_span!(
+        parent: None,
+        "consumer.batch",
+        otel.kind = "consumer",
+        messaging.system = "kafka",
+        messaging.operation.type = "process",
+        messaging.batch.message_count = batch.len(),
+    );
+    for m in batch {
+        if let Some(cx) = kafka::trace::context_of(m.headers()) {
+            span.add_link(cx.span().span_context().clone());
+        }
+    }
+    span
+}
+
+/// While traces are on, one `order.write` span per message for the batch's
+/// MySQL write: a child of the publish whose context the message's headers
+/// carry, so the reservation's trace holds its order, and linked to the batch.
+/// A message without that context (published with traces off, or by an older
+/// build) gets its span under the batch's. Off: none.
+fn order_write_spans(sources: &[&OwnedMessage], incoming: &[Incoming]) -> Vec<Span> {
+    if !telemetry::traces_enabled() {
+        return Vec::new();
+    }
+    let batch = Span::current().context().span().span_context().clone();
+    sources
+        .iter()
+        .zip(incoming)
+        .map(|(m, i)| {
+            let span = tracing::info_span!(
+                "order.write",
+                otel.kind = "consumer",
+                db.system.name = "mysql",
+                messaging.system = "kafka",
+                messaging.destination.partition.id = m.partition(),
+                messaging.kafka.offset = m.offset(),
+                reservation_id = %i.reservation_id,
+                decision = tracing::field::Empty,
+            );
+            if let Some(cx) = kafka::trace::context_of(m.headers()) {
+                // Fails only for a span the exporter filters out.
+                let _ = span.set_parent(cx);
+                span.add_link(batch.clone());
+            }
+            span
+        })
+        .collect()
+}
+
+/// Records each message's decision on its `order.write` span and ends them.
+fn end_order_writes(spans: Vec<Span>, decisions: &[Decision]) {
+    for (span, decision) in spans.into_iter().zip(decisions) {
+        span.record("decision", tracing::field::debug(decision));
     }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::repo::{is_permanent, Decision, Incoming, NewRows, OrderRepo};
 use crate::stock::{FateChange, RefundMode, RefundOutcome, StockStore};
@@ -66,6 +67,23 @@ impl OrderWriter {
     /// One decision step, retried with backoff while MySQL's error is not a
     /// permanent one. `None` if shut down first; `Some(Err)` for bad data.
     pub async fn decide(
+        &self,
+        batch: &[Incoming],
+        new_rows: NewRows,
+        shutdown: &CancellationToken,
+    ) -> Option<Result<Vec<Decision>, sqlx::Error>> {
+        let span = crate::detail_span!(
+            "mysql.apply",
+            otel.kind = "client",
+            db.system.name = "mysql",
+            messages = batch.len(),
+        );
+        self.decide_retrying(batch, new_rows, shutdown)
+            .instrument(span)
+            .await
+    }
+
+    async fn decide_retrying(
         &self,
         batch: &[Incoming],
         new_rows: NewRows,
@@ -162,6 +180,11 @@ impl OrderWriter {
     /// was withdrawn. A Redis failure here is logged; the sweeper (for failed rows)
     /// and the reconciler (for pending marks and drift) finish it.
     pub async fn settle(&self, batch: &[Incoming], decisions: &[Decision]) -> BatchReport {
+        let span = crate::detail_span!("orders.settle", messages = batch.len());
+        self.settle_all(batch, decisions).instrument(span).await
+    }
+
+    async fn settle_all(&self, batch: &[Incoming], decisions: &[Decision]) -> BatchReport {
         let mut report = BatchReport::default();
         let mut after = AfterCommit::default();
         for (m, d) in batch.iter().zip(decisions) {

@@ -14,7 +14,9 @@
 //! - [`rng`]: a seeded generator, so a random schedule replays from its seed;
 //! - [`sale`]: creating and loading a sale through the admin API;
 //! - [`invariants`]: waiting until a sale is quiet, then checking docs/DESIGN.md's
-//!   invariants against MySQL, Redis and the answers the clients got.
+//!   invariants against MySQL, Redis and the answers the clients got;
+//! - [`otlp`]: an OpenTelemetry trace receiver (OTLP/HTTP, JSON) that keeps
+//!   the spans a service exports.
 
 pub mod api;
 pub mod availability;
@@ -22,6 +24,7 @@ pub mod browser;
 pub mod database;
 pub mod identity;
 pub mod invariants;
+pub mod otlp;
 pub mod process;
 pub mod redis_watch;
 pub mod relay;

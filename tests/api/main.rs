@@ -17,5 +17,6 @@ mod reconcile;
 mod reserve;
 mod shards;
 mod topup;
+mod traces;
 mod ui;
 mod waiting_room;

@@ -214,7 +214,7 @@ pub async fn serve(opts: ServerOptions) -> anyhow::Result<()> {
         None => uuid::Uuid::new_v4().simple().to_string()[..12].to_owned(),
     };
     let (settings, database) = bench_settings(&opts, &run_id)?;
-    flashsale::telemetry::init_tracing(&settings.log);
+    let telemetry = flashsale::telemetry::init_tracing(&settings.log, &settings.telemetry)?;
     startup::migrate(&settings.mysql)
         .await
         .context("failed to create the benchmark database")?;
@@ -225,6 +225,7 @@ pub async fn serve(opts: ServerOptions) -> anyhow::Result<()> {
     if !opts.keep && opts.join.is_none() {
         cleanup(&settings).await;
     }
+    telemetry.shutdown().await;
     result
 }
 
