@@ -2,8 +2,8 @@
 //! broker. One file per feature; `helpers` builds an isolated app per test.
 
 mod admin;
-mod buyer;
 mod audit;
+mod buyer;
 mod errors;
 mod gate;
 mod helpers;
