@@ -92,7 +92,11 @@ impl SoldOutGate {
     /// out at `restock` (sorted by key): it is not shut already, not known
     /// ungateable at these counts, and no one else is at it. `Some` holds the
     /// generation to hand back to [`end_closing`](Self::end_closing).
-    pub(super) fn begin_closing(&self, activity_id: &str, restock: &[(String, i64)]) -> Option<u64> {
+    pub(super) fn begin_closing(
+        &self,
+        activity_id: &str,
+        restock: &[(String, i64)],
+    ) -> Option<u64> {
         let mut state = self.state();
         if state.shut.contains_key(activity_id)
             || state.closing.contains_key(activity_id)
@@ -190,7 +194,10 @@ mod tests {
     fn an_ungateable_sale_is_read_again_only_when_a_count_moves() {
         let gate = SoldOutGate::default();
         let generation = gate.begin_closing("a", &restock()).expect("a reading");
-        assert!(gate.begin_closing("a", &restock()).is_none(), "one at a time");
+        assert!(
+            gate.begin_closing("a", &restock()).is_none(),
+            "one at a time"
+        );
         gate.end_closing("a", generation, Reading::Ungateable(restock()));
         assert!(gate.begin_closing("a", &restock()).is_none());
         assert!(!gate.refuses("a", "anyone"));
