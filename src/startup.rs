@@ -544,9 +544,17 @@ pub async fn reconcile_once(
     Ok(reports)
 }
 
+/// Prunes off the async workers: at a million keys a pruning takes tens of
+/// milliseconds, which would stall every request scheduled on that worker. The
+/// loop awaits each pruning, so two never overlap.
 async fn prune_rate_limiters(limiters: RateLimiters, shutdown: CancellationToken) {
-    periodic::every(limiters.prune_every(), shutdown, || async {
-        limiters.prune()
+    periodic::every(limiters.prune_every(), shutdown, || {
+        let limiters = limiters.clone();
+        async move {
+            if let Err(err) = tokio::task::spawn_blocking(move || limiters.prune()).await {
+                tracing::error!(error = %err, "pruning the rate limiters failed");
+            }
+        }
     })
     .await;
 }

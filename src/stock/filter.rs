@@ -9,8 +9,10 @@
 
 use sha1::{Digest, Sha1};
 
-/// Bits before the first layer: the header byte.
-const HEADER_BITS: u64 = 8;
+/// Bits before the first layer: the format byte and the count of buyers (an
+/// `i32`), checked by `filter_read.lua` against the buyers before a gate gets
+/// the filter.
+const HEADER_BITS: u64 = 40;
 /// Buyers in layer 0; each next layer holds twice as many.
 const BASE: u64 = 1024;
 /// Bits per buyer in every layer.
@@ -19,8 +21,8 @@ const BITS: u64 = 16;
 const HASHES: u64 = 8;
 /// Layers at most; the last one takes every buyer past the others.
 const LAYERS: u32 = 16;
-/// The header of a filter that covers every buyer of its build.
-const COMPLETE: u8 = 1;
+/// The format byte of a filter written by a build, in this layout.
+const COMPLETE: u8 = 2;
 
 /// A user id's two hash words: the first two big-endian 32-bit words of its
 /// SHA-1, the second made odd (so that its multiples modulo a layer's size,
@@ -72,7 +74,8 @@ pub(super) struct BuyerFilter {
 
 impl BuyerFilter {
     /// The filter read from the shard's `…:filter` key, if it covers every
-    /// buyer: written by a build (`preload.lua`), its header says so. Missing or
+    /// buyer: `filter_read.lua` hands it over only when written by a build
+    /// (`preload.lua`) and counting exactly the buyers there are. Missing or
     /// without the header (a sale loaded before filters were kept, a key lost
     /// on its own), it cannot gate anyone.
     pub(super) fn read(bytes: Option<Vec<u8>>) -> Option<Self> {
@@ -124,11 +127,12 @@ mod tests {
         }
     }
 
-    /// What Redis answers for `filter.lua` (checked with `redis-cli EVAL`):
-    /// `alice` as buyer number 0 sets bits 513, 911, 1309, 1707, 8904, 9302,
-    /// 9700 and 10098 (h1 = 1378559850, h2 = 896261945), and `bob` as buyer
-    /// number 1500 (layer 1, from bit 16392) sets 18564, 23198, 23253, 27887,
-    /// 32576, 37265, 41954 and 46643.
+    /// What Redis answers for `filter.lua` (checked against Redis itself by
+    /// `the_lua_side_sets_the_bits_the_rust_side_reads`): `alice` as buyer
+    /// number 0 sets bits 545, 943, 1341, 1739, 8936, 9334, 9732 and 10130
+    /// (h1 = 1378559850, h2 = 896261945), and `bob` as buyer number 1500
+    /// (layer 1, from bit 16424) sets 18596, 23230, 23285, 27919, 32608,
+    /// 37297, 41986 and 46675.
     #[test]
     fn hashing_agrees_with_the_lua_side() {
         let alice = UserHash::of("alice");
@@ -143,18 +147,18 @@ mod tests {
             let mut bytes = vec![COMPLETE];
             add(&mut bytes, n, user);
             let mut set: Vec<u64> = (0..bytes.len() as u64 * 8)
-                .filter(|&i| i >= 8 && bytes[(i / 8) as usize] & (0x80 >> (i % 8)) != 0)
+                .filter(|&i| i >= HEADER_BITS && bytes[(i / 8) as usize] & (0x80 >> (i % 8)) != 0)
                 .collect();
             set.sort_unstable();
             set
         };
         assert_eq!(
             lua(0, "alice"),
-            [513, 911, 1309, 1707, 8904, 9302, 9700, 10098]
+            [545, 943, 1341, 1739, 8936, 9334, 9732, 10130]
         );
         assert_eq!(
             lua(1500, "bob"),
-            [18564, 23198, 23253, 27887, 32576, 37265, 41954, 46643]
+            [18596, 23230, 23285, 27919, 32608, 37297, 41986, 46675]
         );
     }
 
@@ -176,7 +180,7 @@ mod tests {
         // Five layers, each under 0.06 % when full.
         assert!(maybe < others / 200, "{maybe} false positives of {others}");
         // 16 bits a buyer, at most twice over for the layer being filled.
-        assert!(filter.bytes() <= 2 * 16 / 8 * 20_000 + 1);
+        assert!(filter.bytes() <= 2 * 16 / 8 * 20_000 + 5);
     }
 
     /// `reserve.lua` is run on its own too (the benchmark loads the file), so
@@ -190,7 +194,63 @@ mod tests {
     fn a_filter_without_its_header_gates_nobody() {
         assert!(BuyerFilter::read(None).is_none());
         assert!(BuyerFilter::read(Some(vec![0, 0xff])).is_none());
+        // The layout before the count of buyers.
+        assert!(BuyerFilter::read(Some(vec![1, 0xff])).is_none());
         assert!(BuyerFilter::read(Some(vec![])).is_none());
         assert!(BuyerFilter::read(Some(vec![COMPLETE])).is_some());
+    }
+
+    /// `filter.lua` run by Redis itself, as the scripts run it, for buyers
+    /// filling layer 0 and part of layer 1: the key it writes is, byte for
+    /// byte past the header, what `add` builds, its header counts the buyers,
+    /// and `may_hold` finds every one of them.
+    #[tokio::test]
+    async fn the_lua_side_sets_the_bits_the_rust_side_reads() {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let client = redis::Client::open(url).expect("a Redis url");
+        let mut conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("Redis answers");
+        let key = format!("test:filter:{}", uuid::Uuid::new_v4());
+        let users: Vec<String> = (0..1_500).map(|n| format!("lua-buyer-{n}")).collect();
+        let code = concat!(
+            include_str!("filter.lua"),
+            r#"
+redis.call("SET", KEYS[1], "\2\0\0\0\0")
+redis.call("EXPIRE", KEYS[1], 60)
+for i, user in ipairs(ARGV) do
+  filter_add(KEYS[1], i - 1, user)
+end
+return redis.call("GET", KEYS[1])
+"#
+        );
+        let from_redis: Vec<u8> = redis::Script::new(code)
+            .key(&key)
+            .arg(&users)
+            .invoke_async(&mut conn)
+            .await
+            .expect("filter.lua runs");
+        let _: () = redis::cmd("DEL")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .expect("DEL");
+
+        let mut from_rust = vec![COMPLETE, 0, 0, 0, 0];
+        for (n, user) in users.iter().enumerate() {
+            add(&mut from_rust, n as u64, user);
+        }
+        assert_eq!(
+            &from_redis[..5],
+            &[COMPLETE, 0, 0, 0x05, 0xdc],
+            "1500 buyers"
+        );
+        assert_eq!(from_redis.len(), from_rust.len());
+        assert!(from_redis[5..] == from_rust[5..], "the bits differ");
+        let filter = BuyerFilter::read(Some(from_redis)).expect("complete");
+        for user in &users {
+            assert!(filter.may_hold(UserHash::of(user)), "{user}");
+        }
     }
 }

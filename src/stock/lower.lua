@@ -3,7 +3,8 @@
 -- not have).
 --
 -- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded,
--- KEYS[6] lent, KEYS[7] received
+-- KEYS[6] lent, KEYS[7] received, KEYS[8] filter (its count of buyers is lowered
+-- with a buyer removed; see filter.lua)
 -- ARGV[1] reservation id, ARGV[2] user id
 -- ARGV[3] MySQL's available units when it refused (committed, under the lock)
 -- ARGV[4] (split activities) the units the sibling shards account for, as read
@@ -30,6 +31,9 @@ redis.call("ZREM", KEYS[3], ARGV[1])
 redis.call("HDEL", KEYS[4], ARGV[1])
 if redis.call("HGET", KEYS[2], ARGV[2]) == ARGV[1] then
   redis.call("HDEL", KEYS[2], ARGV[2])
+  if redis.call("EXISTS", KEYS[8]) == 1 then
+    redis.call("BITFIELD", KEYS[8], "INCRBY", "i32", 8, -1)
+  end
 end
 local stock = redis.call("GET", KEYS[1])
 if not stock then

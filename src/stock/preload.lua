@@ -3,7 +3,8 @@
 -- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded,
 -- KEYS[6] state, KEYS[7] epoch, KEYS[8] lent, KEYS[9] received, KEYS[10] restock
 -- (bumped, never reset: the stock was set anew; see reserve.lua), KEYS[11] filter
--- (the buyers' Bloom filter, written anew with its header: see filter.lua)
+-- (the buyers' Bloom filter, written anew with its header and a count of 0: see
+-- filter.lua)
 -- (Runs after filter.lua, which defines filter_add.)
 -- (A split activity runs it once per shard, each with its share of the units and
 -- of the buyers.)
@@ -30,7 +31,7 @@ if ARGV[3] == "force" and redis.call("GET", KEYS[6]) == "open" then
   return 0
 end
 redis.call("DEL", KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[8], KEYS[9])
-redis.call("SET", KEYS[11], "\1")
+redis.call("SET", KEYS[11], "\2\0\0\0\0")
 local n = tonumber(ARGV[5])
 for i = 6, 5 + 2 * n, 2 do
   if redis.call("HSET", KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then

@@ -1,7 +1,8 @@
 -- Return a reservation's units to stock, exactly once.
 --
 -- KEYS[1] stock, KEYS[2] buyers, KEYS[3] pending, KEYS[4] res, KEYS[5] refunded (set),
--- KEYS[6] restock (bumped: units came back; see reserve.lua)
+-- KEYS[6] restock (bumped: units came back; see reserve.lua), KEYS[7] filter (its
+-- count of buyers is lowered with a buyer removed; see filter.lua)
 -- ARGV[1] reservation id, ARGV[2] user id, ARGV[3] quantity
 -- ARGV[4] mode:
 --   "undo"    the reservation was withdrawn before it reached anyone (its publish
@@ -39,6 +40,9 @@ if ARGV[4] == "undo" then
   end
   if redis.call("HGET", KEYS[2], ARGV[2]) == ARGV[1] then
     redis.call("HDEL", KEYS[2], ARGV[2])
+    if redis.call("EXISTS", KEYS[7]) == 1 then
+      redis.call("BITFIELD", KEYS[7], "INCRBY", "i32", 8, -1)
+    end
   end
 end
 local q = tonumber(ARGV[3])

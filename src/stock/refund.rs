@@ -91,6 +91,7 @@ impl StockStore {
                     &k.res,
                     &k.refunded,
                     &k.restock,
+                    &k.filter,
                 ],
                 &[arg(id), arg(user_id), arg(quantity), arg(mode)],
             )
@@ -150,6 +151,7 @@ impl StockStore {
                     &k.refunded,
                     &k.lent,
                     &k.received,
+                    &k.filter,
                 ],
                 &args,
             )

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use redis::{AsyncCommands, RedisResult};
 
 use super::filter::BuyerFilter;
-use super::gate::{Shut, SOLD_OUT_RECHECK};
+use super::gate::{Reading, Shut, SOLD_OUT_RECHECK};
 use super::keys::Keys;
 use super::store::StockStore;
 
@@ -31,18 +31,26 @@ impl StockStore {
         self.gate.readings.load(Ordering::Relaxed)
     }
 
+    /// How many readings of a sold-out sale's filters this instance has begun
+    /// (counted when a request finds the sale sold out, before its answer).
+    pub fn sold_out_gate_readings_begun(&self) -> usize {
+        self.gate.begun.load(Ordering::Relaxed)
+    }
+
     /// Bytes of buyers' filters this instance holds for the sales it keeps shut.
     pub fn sold_out_gate_bytes(&self) -> usize {
         self.gate.filter_bytes()
     }
 
     /// Shuts the gate of a sale found sold out (`restock`: each shard's restock
-    /// count as found empty), in the background, unless it is shut already or
-    /// another call is at it.
-    pub(super) fn shut_gate(&self, activity_id: &str, shards: u8, restock: Vec<(String, i64)>) {
-        if !self.gate.begin_closing(activity_id) {
+    /// count as found empty), in the background, unless it is shut already,
+    /// another call is at it, or its filters were found untrustworthy at these
+    /// very counts.
+    pub(super) fn shut_gate(&self, activity_id: &str, shards: u8, mut restock: Vec<(String, i64)>) {
+        restock.sort_unstable();
+        let Some(generation) = self.gate.begin_closing(activity_id, &restock) else {
             return;
-        }
+        };
         let store = self.clone();
         let activity_id = activity_id.to_owned();
         tokio::spawn(async move {
@@ -50,18 +58,20 @@ impl StockStore {
                 Ok(found) => found,
                 Err(err) => {
                     tracing::debug!(%activity_id, error = %err, "the sold-out gate stays open");
-                    None
+                    Reading::Open
                 }
             };
-            store.gate.end_closing(&activity_id, found);
+            store.gate.end_closing(&activity_id, generation, found);
         });
     }
 
     /// Reads the buyers' filter of every shard of a sale found sold out (one
-    /// `GET` each): what to shut its gate with, unless a shard has no complete
-    /// filter (a sale loaded before filters were kept) or a restock count moved
-    /// meanwhile (a unit came back, a buyer was adopted or the sale rebuilt: a
-    /// buyer the filters read may lack).
+    /// `filter_read.lua` each): what to shut its gate with, unless a shard has
+    /// no filter to trust (a sale loaded before filters were kept, a filter
+    /// recreated without its header, a buyer recorded without its bits by an
+    /// older version: the script reads only the header then) or a restock
+    /// count moved meanwhile (a unit came back, a buyer was adopted or the sale
+    /// rebuilt: a buyer the filters read may lack).
     ///
     /// Why no buyer is missed: a buyer is recorded only with a unit in the
     /// shard's stock (`reserve.lua`), by a build (`preload.lua`) or by an
@@ -75,20 +85,21 @@ impl StockStore {
         activity_id: &str,
         shards: u8,
         restock: Vec<(String, i64)>,
-    ) -> RedisResult<Option<Shut>> {
-        let mut conn = self.conn.clone();
+    ) -> RedisResult<Reading> {
         let mut filters = Vec::with_capacity(usize::from(shards.max(1)));
         for k in Keys::all(activity_id, shards) {
-            let bytes: Option<Vec<u8>> = conn.get(&k.filter).await?;
-            match BuyerFilter::read(bytes) {
+            let (trusted, bytes): (i64, Vec<u8>) = self
+                .run(&self.filter_read, &[&k.filter, &k.buyers], &[])
+                .await?;
+            match BuyerFilter::read((trusted == 1).then_some(bytes)) {
                 Some(f) => filters.push(f),
-                None => return Ok(None),
+                None => return Ok(Reading::Ungateable(restock)),
             }
         }
         if !self.restock_unchanged(&restock).await {
-            return Ok(None);
+            return Ok(Reading::Open);
         }
-        Ok(Some(Shut { restock, filters }))
+        Ok(Reading::Shut(Shut { restock, filters }))
     }
 
     /// Reopens the sales this instance keeps shut once any of their shards'

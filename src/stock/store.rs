@@ -28,6 +28,7 @@ pub struct StockStore {
     pub(super) lend: Lua,
     pub(super) receive: Lua,
     pub(super) loan_done: Lua,
+    pub(super) filter_read: Lua,
 }
 
 impl StockStore {
@@ -53,6 +54,7 @@ impl StockStore {
             lend: Lua::new(include_str!("lend.lua")),
             receive: Lua::new(include_str!("receive.lua")),
             loan_done: Lua::new(include_str!("loan_done.lua")),
+            filter_read: Lua::new(include_str!("filter_read.lua")),
         }
     }
 

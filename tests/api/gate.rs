@@ -210,10 +210,10 @@ async fn a_sale_with_many_buyers_is_gated_by_their_filter() {
     )
     .await;
     app.wait_gate_shut(&sale.id).await;
-    // 1,024 buyers in layer 0 and the rest in layer 1, 16 bits each: the
-    // filter's size follows the units, however many users ask.
+    // A 5-byte header, 1,024 buyers in layer 0 and the rest in layer 1, 16 bits
+    // each: the filter's size follows the units, however many users ask.
     let bytes = app.state.stock.sold_out_gate_bytes();
-    assert!(bytes <= 1 + 3 * 1024 * 16 / 8, "{bytes} bytes");
+    assert!(bytes <= 5 + 3 * 1024 * 16 / 8, "{bytes} bytes");
 
     let others: Vec<String> = (0..3_000).map(|i| format!("other-{i}")).collect();
     let (ruled_out, maybe): (Vec<String>, Vec<String>) = others
@@ -327,20 +327,113 @@ async fn an_adopted_buyer_is_never_refused_from_memory() {
 
 /// A sale loaded without a filter (by a version that kept none), or whose
 /// filter lost its header, is never gated: its buyers could not be told apart.
+/// Its filter is read once (its header only), not again on every sold-out
+/// answer, until a restock count moves.
 #[tokio::test]
 async fn a_sale_without_a_complete_filter_is_not_gated() {
+    ungated_after(|keys| redis::pipe().cmd("DEL").arg(&keys.filter).ignore().clone()).await;
+}
+
+/// A filter recreated by a buyer's bits after its key was lost (evicted, say)
+/// has no header: not trusted, and read once.
+#[tokio::test]
+async fn a_filter_recreated_without_its_header_is_not_trusted() {
+    ungated_after(|keys| {
+        redis::pipe()
+            .cmd("DEL")
+            .arg(&keys.filter)
+            .ignore()
+            .cmd("BITFIELD")
+            .arg(&keys.filter)
+            .arg(&["SET", "u1", "100", "1"])
+            .ignore()
+            .clone()
+    })
+    .await;
+}
+
+/// A buyer recorded by code that sets no bits (an older version still serving
+/// during a rolling deploy) makes the filter's count of buyers differ from the
+/// buyers: the gate does not trust it, and that buyer hears `already_reserved`.
+#[tokio::test]
+async fn a_buyer_recorded_without_its_bits_keeps_the_gate_open() {
+    let (app, sale_id, sku) = ungated_after(|keys| {
+        redis::pipe()
+            .cmd("HSET")
+            .arg(&keys.buyers)
+            .arg("ghost")
+            .arg("ghost-reservation")
+            .ignore()
+            .clone()
+    })
+    .await;
+    assert!(!app.state.stock.sold_out_from_memory(&sale_id, "ghost"));
+    let body = assert_error(
+        app.reserve(&sku, "ghost", None).await,
+        StatusCode::CONFLICT,
+        "already_reserved",
+    )
+    .await;
+    assert_eq!(body["reservation_id"], "ghost-reservation");
+}
+
+/// A buyer removed by `lower.lua` lowers the filter's count with it: the
+/// filter still counts exactly the buyers, and the gate shuts.
+#[tokio::test]
+async fn a_buyer_removed_keeps_the_filter_trusted() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(2, 1).await;
+    app.reserve_accepted(&sale.sku, "w0").await;
+    let body = app.reserve_accepted(&sale.sku, "w1").await;
+    let rid = body["reservation_id"].as_str().expect("a reservation id");
+    let lowered = app
+        .state
+        .stock
+        .lower(&sale.id, rid, "w1", 0, &[])
+        .await
+        .expect("lower");
+    assert_eq!(lowered, Some(0));
+    assert_error(
+        app.reserve(&sale.sku, "refused", None).await,
+        StatusCode::CONFLICT,
+        "sold_out",
+    )
+    .await;
+    app.wait_gate_shut(&sale.id).await;
+}
+
+/// Sells out a one-unit sale, spoils its filter or buyers with `spoil`, and
+/// checks that sold-out answers come from Redis, the filter read once. Returns
+/// the app, the sale's id and its sku.
+async fn ungated_after(
+    spoil: impl FnOnce(&flashsale::stock::Keys) -> redis::Pipeline,
+) -> (TestApp, String, String) {
     let app = spawn_app().await;
     let sale = app.open_sale(1, 1).await;
     app.reserve_accepted(&sale.sku, "w0").await;
     let keys = flashsale::stock::Keys::new(&sale.id);
     let mut conn = app.state.stock.connection();
-    let _: () = redis::cmd("DEL")
-        .arg(&keys.filter)
+    let _: () = spoil(&keys)
         .query_async(&mut conn)
         .await
-        .expect("DEL");
+        .expect("spoiling the filter");
+    let begun = app.state.stock.sold_out_gate_readings_begun();
     let before = app.state.stock.sold_out_gate_readings();
-    for i in 0..3 {
+    assert_error(
+        app.reserve(&sale.sku, "late-0", None).await,
+        StatusCode::CONFLICT,
+        "sold_out",
+    )
+    .await;
+    eventually(
+        Duration::from_secs(5),
+        "a reading of the filter",
+        || async { (app.state.stock.sold_out_gate_readings() > before).then_some(()) },
+    )
+    .await;
+    // The reading found no filter to trust: the gate stays open, every answer
+    // from Redis, and the filter is not read again at the same restock count.
+    for i in 1..50 {
         assert_error(
             app.reserve(&sale.sku, &format!("late-{i}"), None).await,
             StatusCode::CONFLICT,
@@ -348,14 +441,12 @@ async fn a_sale_without_a_complete_filter_is_not_gated() {
         )
         .await;
     }
-    eventually(
-        Duration::from_secs(5),
-        "a reading of the filter",
-        || async { (app.state.stock.sold_out_gate_readings() > before).then_some(()) },
-    )
-    .await;
-    // The reading found no filter: the gate stays open, every answer from Redis.
     assert!(!app.state.stock.sold_out_from_memory(&sale.id, "anyone"));
+    assert_eq!(
+        app.state.stock.sold_out_gate_readings_begun() - begun,
+        1,
+        "one reading of the filter"
+    );
     let body = assert_error(
         app.reserve(&sale.sku, "w0", None).await,
         StatusCode::CONFLICT,
@@ -363,4 +454,5 @@ async fn a_sale_without_a_complete_filter_is_not_gated() {
     )
     .await;
     assert!(body["reservation_id"].is_string());
+    (app, sale.id, sale.sku)
 }
