@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use opentelemetry::propagation::{Extractor, TextMapPropagator};
+
 use opentelemetry::trace::{TraceContextExt, TracerProvider};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
@@ -72,13 +72,29 @@ impl Telemetry {
 /// A second call (tests build many
 /// apps in one process) installs nothing and exports nothing.
 pub fn init_tracing(log: &LogSettings, telemetry: &TelemetrySettings) -> anyhow::Result<Telemetry> {
-    let url = traces_url(telemetry, |k| std::env::var(k).ok())?;
-    let provider = match &url {
-        Some(url) => Some(tracer_provider(url, telemetry)?),
-        None => None,
+    // An exporter the service's own setting asks for must work; one that only
+    // the platform's OTEL_* variables ask for never keeps the service from
+    // starting: traces are then off, with a warning.
+    let explicit = !telemetry.otlp_endpoint.trim().is_empty();
+    let wanted = traces_url(telemetry, |k| std::env::var(k).ok()).and_then(|url| match url {
+        Some(url) => tracer_provider(&url, telemetry).map(|p| Some((url, p))),
+        None => Ok(None),
+    });
+    let (url, provider, unusable) = match wanted {
+        Ok(Some((url, provider))) => (Some(url), Some(provider), None),
+        Ok(None) => (None, None, None),
+        Err(err) if !explicit => (None, None, Some(err)),
+        Err(err) => return Err(err),
     };
-    let logs_filter =
+    let mut logs_filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&log.filter));
+    if provider.is_some() {
+        // A collector that is down would otherwise log an error for every
+        // failed export; spans are dropped, never requests.
+        if let Ok(quiet) = "opentelemetry_sdk=off".parse() {
+            logs_filter = logs_filter.add_directive(quiet);
+        }
+    }
     // One filter for everything: the spans exported are those the logs' filter
     // enables. The detail spans below the request are made only while traces
     // are on (see `detail_span!`), so with traces off the logs are as before.
@@ -91,6 +107,12 @@ pub fn init_tracing(log: &LogSettings, telemetry: &TelemetrySettings) -> anyhow:
         .with(traces)
         .try_init()
         .is_ok();
+    if let Some(err) = unusable {
+        tracing::warn!(
+            error = format!("{err:#}"),
+            "traces are off: the OTEL_* environment asks for an exporter this service cannot use"
+        );
+    }
     match provider {
         Some(provider) if installed => {
             TRACES_ON.store(true, Ordering::Relaxed);
@@ -224,34 +246,17 @@ pub fn propagator() -> TraceContextPropagator {
     TraceContextPropagator::new()
 }
 
-/// An HTTP request's headers as a carrier of trace context.
-struct HttpHeaders<'a>(&'a axum::http::HeaderMap);
-
-impl Extractor for HttpHeaders<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|v| v.to_str().ok())
-    }
-
-    fn keys(&self) -> Vec<&str> {
-        self.0.keys().map(|k| k.as_str()).collect()
-    }
-}
-
-/// While traces are on: the request's span continues the caller's trace (a
-/// `traceparent` header from a gateway or a client), takes its name from the
-/// route (`otel_name`), and records its `trace_id` for the logs. Off: nothing.
-pub fn trace_request(
-    span: &Span,
-    headers: &axum::http::HeaderMap,
-    otel_name: impl FnOnce() -> String,
-) {
+/// While traces are on: the request's span starts a trace of its own, takes
+/// its name from the route (`otel_name`), and records its `trace_id` for the
+/// logs. Off: nothing.
+///
+/// A caller's `traceparent` is not continued: the request path is public, and
+/// a client's header would choose whether the trace is sampled, the trace id
+/// written in the service's logs, and (through `tracestate`) how much every
+/// span and message carries.
+pub fn trace_request(span: &Span, otel_name: impl FnOnce() -> String) {
     if !traces_enabled() {
         return;
-    }
-    let caller = propagator().extract(&HttpHeaders(headers));
-    if caller.span().span_context().is_valid() {
-        // Fails only for a span the exporter filters out: nothing to continue.
-        let _ = span.set_parent(caller);
     }
     span.record("otel.name", otel_name());
     span.record("otel.kind", "server");

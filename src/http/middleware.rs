@@ -79,7 +79,7 @@ pub fn make_span(req: &Request) -> Span {
         otel.kind = tracing::field::Empty,
         http.response.status_code = tracing::field::Empty,
     );
-    telemetry::trace_request(&span, req.headers(), || format!("{} {route}", req.method()));
+    telemetry::trace_request(&span, || format!("{} {route}", req.method()));
     span
 }
 

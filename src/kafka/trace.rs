@@ -22,6 +22,8 @@ pub fn current_headers() -> Option<OwnedHeaders> {
     }
     let mut fields = Fields(Vec::with_capacity(2));
     telemetry::propagator().inject_context(&Context::current(), &mut fields);
+    // `traceparent` only: a `tracestate` would ride along in every message.
+    fields.0.retain(|(k, _)| k == "traceparent");
     headers_of(&fields.0)
 }
 
