@@ -47,7 +47,9 @@ fn action(route: &str) -> &str {
 
 /// Records the admin request it wraps, after `require_admin` named the operator.
 pub async fn record(State(state): State<AppState>, req: Request, next: Next) -> Response<Body> {
-    if matches!(*req.method(), Method::GET | Method::HEAD) {
+    // Every admin change is a POST; anything else (reads, and methods a route
+    // does not take, answered 405) changes nothing and is not recorded.
+    if *req.method() != Method::POST {
         return next.run(req).await;
     }
     let Some(operator) = req.extensions().get::<Operator>().cloned() else {
@@ -87,7 +89,9 @@ pub async fn record(State(state): State<AppState>, req: Request, next: Next) -> 
         request_text.push(' ');
         request_text.push_str(&String::from_utf8_lossy(&bytes));
     }
-    let body_activity = (path_activity.is_none())
+    // The body names the sale only on the create route: elsewhere a body's
+    // `id` (under an invalid path id) would file the entry under another sale.
+    let body_activity = (path_activity.is_none() && route == "/admin/activities")
         .then(|| serde_json::from_slice::<Value>(&bytes).ok())
         .flatten()
         .and_then(|v| v.get("id").and_then(Value::as_str).map(str::to_owned))
