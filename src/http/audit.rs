@@ -210,11 +210,12 @@ async fn read_body(body: Body, limit: usize) -> Result<Bytes, AppError> {
 #[utoipa::path(
     get,
     path = "/admin/audit",
+    operation_id = "list_audit",
     tag = "operators",
     security(("admin" = [])),
     params(
         ("activity_id" = Option<String>, Query, description = "Only this activity's entries (empty: all)"),
-        ("limit" = Option<u32>, Query, description = "Most entries returned, 1 to 1000 (default 100)"),
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Most entries returned, 1 to 1000 (default 100)"),
     ),
     responses(
         (status = 200, description = "The audit trail, newest first", body = Vec<Entry>),
