@@ -873,6 +873,17 @@ pub async fn read_topic(topic: &str) -> Vec<ReservationMessage> {
 }
 
 fn read_topic_blocking(topic: &str) -> Vec<ReservationMessage> {
+    each_message_blocking(topic, |m| {
+        serde_json::from_slice(m.payload().expect("payload")).expect("valid message")
+    })
+}
+
+/// What `read` makes of each message on the topic, from its start to the ends
+/// it had when this began (blocking: run it off the runtime's workers).
+pub fn each_message_blocking<T>(
+    topic: &str,
+    read: impl Fn(&rdkafka::message::BorrowedMessage<'_>) -> T,
+) -> Vec<T> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", kafka_brokers())
         .set("group.id", unique("reader-"))
@@ -910,9 +921,7 @@ fn read_topic_blocking(topic: &str) -> Vec<ReservationMessage> {
             let m = m.expect("message");
             if m.offset() < ends[&m.partition()] {
                 remaining -= 1;
-                out.push(
-                    serde_json::from_slice(m.payload().expect("payload")).expect("valid message"),
-                );
+                out.push(read(&m));
             }
         }
     }

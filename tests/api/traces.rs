@@ -9,18 +9,15 @@
 //! traces off, publishes a message without trace headers.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
 
-use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Headers;
-use rdkafka::{Message, Offset, TopicPartitionList};
+use rdkafka::Message;
 use reqwest::StatusCode;
 use serde_json::Value;
 use testkit::otlp::{ExportedSpan, OtlpReceiver};
 use testkit::process::Service;
 
-use crate::helpers::{eventually, kafka_brokers, spawn_app, unique, Caller, TestApp, WAIT};
+use crate::helpers::{each_message_blocking, eventually, spawn_app, Caller, TestApp, WAIT};
 
 /// OTLP's span kinds.
 const SERVER: i64 = 2;
@@ -264,53 +261,18 @@ fn written(receiver: &OtlpReceiver, reservation_id: &str) -> Option<ExportedSpan
 async fn message_headers(topic: &str) -> Vec<HashMap<String, String>> {
     let topic = topic.to_owned();
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", kafka_brokers())
-            .set("group.id", unique("headers-"))
-            .set("enable.auto.commit", "false")
-            .create()
-            .expect("consumer");
-        let md = consumer
-            .fetch_metadata(Some(&topic), Duration::from_secs(5))
-            .expect("metadata");
-        let mut tpl = TopicPartitionList::new();
-        let mut remaining = 0;
-        for p in md.topics()[0].partitions() {
-            let (lo, hi) = consumer
-                .fetch_watermarks(&topic, p.id(), Duration::from_secs(5))
-                .expect("watermarks");
-            if hi > lo {
-                tpl.add_partition_offset(&topic, p.id(), Offset::Offset(lo))
-                    .expect("partition");
-                remaining += hi - lo;
-            }
-        }
-        let mut out = Vec::new();
-        if remaining == 0 {
-            return out;
-        }
-        consumer.assign(&tpl).expect("assign");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while remaining > 0 {
-            assert!(Instant::now() < deadline, "timed out reading {topic}");
-            if let Some(m) = consumer.poll(Duration::from_millis(500)) {
-                let m = m.expect("message");
-                remaining -= 1;
-                let headers = m
-                    .headers()
-                    .map(|h| {
-                        h.iter()
-                            .map(|h| {
-                                let value = h.value.map(String::from_utf8_lossy);
-                                (h.key.to_owned(), value.unwrap_or_default().into_owned())
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                out.push(headers);
-            }
-        }
-        out
+        each_message_blocking(&topic, |m| {
+            m.headers()
+                .map(|h| {
+                    h.iter()
+                        .map(|h| {
+                            let value = h.value.map(String::from_utf8_lossy);
+                            (h.key.to_owned(), value.unwrap_or_default().into_owned())
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        })
     })
     .await
     .expect("reader task")
