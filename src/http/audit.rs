@@ -214,7 +214,7 @@ async fn read_body(body: Body, limit: usize) -> Result<Bytes, AppError> {
     tag = "operators",
     security(("admin" = [])),
     params(
-        ("activity_id" = Option<String>, Query, description = "Only this activity's entries (empty: all)"),
+        ("activity_id" = Option<String>, Query, pattern = "^[A-Za-z0-9_-]{0,64}$", description = "Only this activity's entries (empty: all)"),
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000, description = "Most entries returned, 1 to 1000 (default 100)"),
     ),
     responses(
