@@ -402,6 +402,8 @@ const METRICS: &[(Kind, &str, &str)] = &[
     (Kind::Gauge, "flashsale_activity_paused", "1 while the activity is paused in Redis, per current activity."),
     (Kind::Gauge, "flashsale_activity_drift_units", "Redis's stock minus what MySQL implies, as the reconciler last saw it, per activity."),
     (Kind::Counter, "flashsale_waiting_room_joins_total", "Users who joined a waiting room through this instance."),
+    (Kind::Counter, "flashsale_waiting_room_answers_from_memory_total", "Waiting-room polls before the start answered from this instance's memory, without a Redis call."),
+    (Kind::Gauge, "flashsale_waiting_room_remembered_joins", "Users this instance remembers as joined before a room's start (bounded by waiting_room.remembered_joins)."),
     (Kind::Gauge, "flashsale_waiting_room_joined", "Users who joined the activity's waiting room, before and after its start."),
     (Kind::Gauge, "flashsale_waiting_room_waiting", "Users in line in the activity's waiting room (before the draw: everyone who joined)."),
     (Kind::Gauge, "flashsale_waiting_room_admitted", "Users of the activity's waiting room holding a turn to reserve now."),

@@ -64,6 +64,9 @@ pub struct WaitingRoomSettings {
     pub turn_secs: u64,
     /// How often each instance admits (and draws, once due).
     pub tick_ms: u64,
+    /// Users each instance remembers as joined before a room's start, to
+    /// answer their polls without Redis until then (0: never).
+    pub remembered_joins: usize,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -409,9 +409,9 @@ pub async fn join_queue(
     if activity.window(now) == Window::Ended {
         return Err(AppError::Ended);
     }
-    let (_, joined_now) = state
+    let (place, joined_now) = state
         .waiting_room
-        .join(&activity, &user.id)
+        .join(&activity, &user.id, now)
         .await
         .map_err(redis_down)?
         .ok_or(AppError::Unavailable(
@@ -420,11 +420,6 @@ pub async fn join_queue(
     if joined_now {
         metrics::counter!("flashsale_waiting_room_joins_total").increment(1);
     }
-    let place = state
-        .waiting_room
-        .place(&activity, &user.id, now)
-        .await
-        .map_err(redis_down)?;
     let place =
         QueuePlace::of(place).ok_or(AppError::Unavailable("the waiting room lost the join"))?;
     let status = if joined_now {
@@ -449,7 +444,8 @@ pub async fn join_queue(
         (status = 503, description = "unavailable, with Retry-After", body = crate::error::ErrorBody),
     )
 )]
-/// `GET /flash/{sku}/queue`: the user's place, in one Redis round trip.
+/// `GET /flash/{sku}/queue`: the user's place, in one Redis round trip (none
+/// before the start for a user this instance saw join).
 pub async fn queue_status(
     State(state): State<AppState>,
     Path(sku): Path<String>,

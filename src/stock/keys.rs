@@ -120,7 +120,8 @@ pub struct RoomKeys {
     pub admitted: String,
     /// Settled turns: user → `reserved`, `expired` or `sold_out`.
     pub outcome: String,
-    /// The draw (`seed`, `drawn`), `sealed` (no early join counts any more),
+    /// The room's generation (`gen`, set by the join that created it), the
+    /// draw (`seed`, `drawn`), `sealed` (no early join counts any more),
     /// `closed`, and the `admitted` and `expired` totals.
     pub meta: String,
     /// Facts not yet copied to MySQL (late joins, settled turns), oldest first,

@@ -1,16 +1,28 @@
--- A user joins the waiting room: once, whatever the retries.
+
+-- join.lua (after place.lua): a user joins the waiting room, once whatever the
+-- retries, and hears their place in the same call.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
 -- ARGV[1] user id, ARGV[2] lost after (ms: a room neither sealed nor drawn by
 --         then was lost with Redis), ARGV[3] starts_at (ms), ARGV[4] the place
---         offset of late joiners (behind every drawn place)
+--         offset of late joiners (behind every drawn place), ARGV[5] now (ms,
+--         the instance's clock, as `status.lua` takes it), ARGV[6] a fresh
+--         random token: the room's generation if this join creates the room
 --
--- Returns {1, ticket, "early" | "late"} joined now, {0, ticket, ""} joined
--- before, {-1, "", ""} the room is being rebuilt (try again shortly).
+-- Returns {1, ticket, "early" | "late", place…, generation} joined now, {0,
+-- ticket, "", place…, generation} joined before, {-1, "", "", "none", "", -1,
+-- -1, ""} the room is being rebuilt (try again shortly); place… is `place`'s
+-- four values. The generation names this room's life in Redis: a room Redis
+-- lost and a join created again has another (instances that remember joins
+-- check it).
+local function answer(code, seq, kind)
+  local p = place(ARGV[1], tonumber(ARGV[5]))
+  local gen = redis.call("HGET", KEYS[7], "gen") or ""
+  return {code, seq, kind, p[1], p[2], p[3], p[4], gen}
+end
+
 local seq = redis.call("ZSCORE", KEYS[1], ARGV[1]) or redis.call("ZSCORE", KEYS[2], ARGV[1])
 if seq then
-  return {0, seq, ""}
+  return answer(0, seq, "")
 end
 -- One clock for every instance: Redis's.
 local t = redis.call("TIME")
@@ -19,24 +31,24 @@ local sealed = redis.call("HEXISTS", KEYS[7], "sealed") == 1
 if not sealed and now >= tonumber(ARGV[2]) then
   -- Past the draw and nothing of it here: Redis lost the room. Joining now
   -- would hand out arrival numbers again from 1; wait for the rebuild.
-  return {-1, "", ""}
+  return {-1, "", "", "none", "", -1, -1, ""}
 end
 seq = redis.call("INCR", KEYS[3])
+redis.call("HSETNX", KEYS[7], "gen", ARGV[6])
 -- Early only while the draw has not read the joiners yet (`sealed`, set in the
 -- same step as that read): a join that runs after the read would be in no
 -- draw, and never placed.
 if now < tonumber(ARGV[3]) and not sealed then
   redis.call("ZADD", KEYS[1], seq, ARGV[1])
   redis.call("RPUSH", KEYS[8], "early\t" .. ARGV[1] .. "\t" .. seq)
-  return {1, tostring(seq), "early"}
-else
-  -- Late: behind everyone drawn, in arrival order. Before the draw is
-  -- committed, the commit puts them there. Journalled, so that a room rebuilt
-  -- after Redis lost it still has them.
-  redis.call("ZADD", KEYS[2], seq, ARGV[1])
-  redis.call("RPUSH", KEYS[8], "late\t" .. ARGV[1] .. "\t" .. seq)
-  if redis.call("HEXISTS", KEYS[7], "seed") == 1 then
-    redis.call("ZADD", KEYS[4], tonumber(ARGV[4]) + seq, ARGV[1])
-  end
+  return answer(1, tostring(seq), "early")
 end
-return {1, tostring(seq), "late"}
+-- Late: behind everyone drawn, in arrival order. Before the draw is
+-- committed, the commit puts them there. Journalled, so that a room rebuilt
+-- after Redis lost it still has them.
+redis.call("ZADD", KEYS[2], seq, ARGV[1])
+redis.call("RPUSH", KEYS[8], "late\t" .. ARGV[1] .. "\t" .. seq)
+if redis.call("HEXISTS", KEYS[7], "seed") == 1 then
+  redis.call("ZADD", KEYS[4], tonumber(ARGV[4]) + seq, ARGV[1])
+end
+return answer(1, tostring(seq), "late")

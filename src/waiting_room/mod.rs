@@ -24,7 +24,10 @@
 //! - **The draw sees every early joiner.** It reads them in the same atomic
 //!   step that seals the early joins (`seal.lua`): a join after that is late,
 //!   whatever the joining instance's clock says.
-//! - **Cheap to wait.** A user's place is one script call (`status.lua`).
+//! - **Cheap to wait.** A join is one script call that answers the place too
+//!   (`join.lua`); a poll one (`status.lua`), both built on `place.lua`.
+//!   Before the start, polls and repeated joins of users this instance saw join
+//!   are answered from memory ([`early`]).
 //! - **A room Redis lost comes back.** Joins and settled turns are
 //!   journalled in Redis and copied to MySQL in batches (`journal.lua`,
 //!   `waiting_room_journal`); a rebuilt room gets them back (`restore.lua`),
@@ -49,6 +52,9 @@ use crate::activity::{Activity, ActivityCache};
 use crate::config::WaitingRoomSettings;
 use crate::orders::OrderRepo;
 use crate::stock::{arg, invoke, Lua, RedisConn, RoomKeys, StockStore};
+
+mod early;
+use early::{EarlyJoins, Known};
 
 /// Places of late joiners start here: behind every drawn place.
 pub const LATE_PLACES: i64 = 1_000_000_000_000;
@@ -96,7 +102,8 @@ pub enum Turn {
     None,
 }
 
-/// What `join.lua` answered.
+/// What `join.lua` answered (with the user's place after it, as `status.lua`
+/// would answer it).
 #[derive(Debug, PartialEq, Eq)]
 enum Joined {
     /// Joined just now, with this arrival number, `early` or `late`.
@@ -107,14 +114,21 @@ enum Joined {
     Rebuilding,
 }
 
+/// `join.lua`'s reply: `{code, seq, kind}`, the place's four values, the
+/// room's generation.
+type JoinReply = (i64, String, String, String, String, i64, i64, String);
+
 impl Joined {
-    /// `{1, seq, kind}` joined now, `{0, seq, ""}` joined before, `{-1, "", ""}`
-    /// rebuilding.
-    fn decode((code, seq, kind): (i64, String, String)) -> Self {
-        match code {
-            1 => Joined::Now { seq, kind },
+    /// `{1, seq, kind, …}` joined now, `{0, seq, "", …}` joined before,
+    /// `{-1, "", "", …}` rebuilding; the place's values in `…`.
+    fn decode((code, seq, kind, ..): &JoinReply) -> Self {
+        match *code {
+            1 => Joined::Now {
+                seq: seq.clone(),
+                kind: kind.clone(),
+            },
             c if c < 0 => Joined::Rebuilding,
-            _ => Joined::Before { seq },
+            _ => Joined::Before { seq: seq.clone() },
         }
     }
 }
@@ -218,8 +232,10 @@ pub struct WaitingRoom {
     seal: Lua,
     restore: Lua,
     journal: Lua,
+    check: Lua,
     joins: JoinRecorder,
     unpaid: Mutex<HashMap<String, (Instant, i64)>>,
+    early: EarlyJoins,
 }
 
 fn ms(t: DateTime<Utc>) -> i64 {
@@ -235,24 +251,30 @@ impl WaitingRoom {
         settings: WaitingRoomSettings,
     ) -> Self {
         let joins = JoinRecorder::start(pool.clone());
+        let settings_remembered = settings.remembered_joins;
         WaitingRoom {
             conn,
             orders,
             pool,
             stock,
             settings,
-            join: Lua::new(include_str!("join.lua")),
+            join: Lua::new(concat!(include_str!("place.lua"), include_str!("join.lua"))),
             draw: Lua::new(include_str!("draw.lua")),
             commit: Lua::new(include_str!("commit.lua")),
             admit: Lua::new(include_str!("admit.lua")),
             turn: Lua::new(include_str!("turn.lua")),
             settle: Lua::new(include_str!("settle.lua")),
-            status: Lua::new(include_str!("status.lua")),
+            status: Lua::new(concat!(
+                include_str!("place.lua"),
+                include_str!("status.lua")
+            )),
             seal: Lua::new(include_str!("seal.lua")),
             restore: Lua::new(include_str!("restore.lua")),
             journal: Lua::new(include_str!("journal.lua")),
+            check: Lua::new(include_str!("check.lua")),
             joins,
             unpaid: Mutex::default(),
+            early: EarlyJoins::new(settings_remembered),
         }
     }
 
@@ -266,14 +288,22 @@ impl WaitingRoom {
         invoke(&self.conn, lua, &keys.all(), args).await
     }
 
-    /// Joins `user`: their ticket, and whether they joined just now; `None`
-    /// while a room Redis lost is being rebuilt (joining then would give
-    /// arrival numbers again from 1).
-    pub async fn join(&self, a: &Activity, user: &str) -> RedisResult<Option<(String, bool)>> {
+    /// Joins `user`, in one script call that also answers where they stand:
+    /// their place, and whether they joined just now; `None` while a room
+    /// Redis lost is being rebuilt (joining then would give arrival numbers
+    /// again from 1). Always asked of Redis: a user whose join Redis lost
+    /// joins again here. What it answers before the start is remembered (see
+    /// [`EarlyJoins`]).
+    pub async fn join(
+        &self,
+        a: &Activity,
+        user: &str,
+        now: DateTime<Utc>,
+    ) -> RedisResult<Option<(Place, bool)>> {
         let lost_after =
             a.starts_at + chrono::Duration::from_std(DRAW_GRACE * 2).unwrap_or_default();
-        let joined = Joined::decode(
-            self.run(
+        let reply: JoinReply = self
+            .run(
                 a,
                 &self.join,
                 &[
@@ -281,28 +311,84 @@ impl WaitingRoom {
                     arg(ms(lost_after)),
                     arg(ms(a.starts_at)),
                     arg(LATE_PLACES),
+                    arg(ms(now)),
+                    arg(uuid::Uuid::new_v4().simple().to_string()),
                 ],
             )
-            .await?,
-        );
+            .await?;
+        let joined = Joined::decode(&reply);
+        let (.., state, seq, ahead, until, gen) = reply;
+        let place = Place::decode(a, (state, seq, ahead, until));
         Ok(match joined {
             Joined::Rebuilding => None,
             Joined::Now { seq, kind } => {
                 if let Ok(n) = seq.parse() {
                     self.joins.record(&a.id, user, &kind, n).await;
                 }
-                Some((ticket(a, &seq), true))
+                self.early.learn(a, user, &seq, &place, &gen, now);
+                Some((place, true))
             }
-            Joined::Before { seq } => Some((ticket(a, &seq), false)),
+            Joined::Before { seq } => {
+                self.early.learn(a, user, &seq, &place, &gen, now);
+                Some((place, false))
+            }
         })
     }
 
-    /// Where `user` stands, in one round trip.
+    /// Where `user` stands, in one round trip; before the start, from memory
+    /// when this instance has seen the user join (see [`EarlyJoins`]).
     pub async fn place(&self, a: &Activity, user: &str, now: DateTime<Utc>) -> RedisResult<Place> {
-        let status = self
+        if let Some(place) = self.remembered(a, user, now).await {
+            return Ok(place);
+        }
+        let (state, seq, ahead, until, gen): (String, String, i64, i64, String) = self
             .run(a, &self.status, &[arg(user), arg(ms(now))])
             .await?;
-        Ok(Place::decode(a, status))
+        let place = Place::decode(a, (state, seq.clone(), ahead, until));
+        self.early.learn(a, user, &seq, &place, &gen, now);
+        Ok(place)
+    }
+
+    /// `user`'s answer from memory, when it cannot have changed: before the
+    /// start, for a user this instance saw join, in a room whose generation,
+    /// counter and clock Redis confirmed within the last second (this request
+    /// checks it when due; see [`EarlyJoins`]).
+    async fn remembered(&self, a: &Activity, user: &str, now: DateTime<Utc>) -> Option<Place> {
+        match self.early.known(a, user, now)? {
+            Known::Answer(place) => {
+                metrics::counter!("flashsale_waiting_room_answers_from_memory_total").increment(1);
+                Some(place)
+            }
+            Known::Unchecked(room, seq) => {
+                let guard = room.begin_check()?;
+                let sent = Instant::now();
+                let before = ms(Utc::now());
+                let reply: RedisResult<(String, u64, i64, i64)> =
+                    self.run(a, &self.check, &[]).await;
+                let after = ms(Utc::now());
+                let verdict = match reply {
+                    Ok((gen, counter, secs, micros)) => {
+                        let redis_ms = secs * 1_000 + micros / 1_000;
+                        early::verdict(&room, &gen, counter, redis_ms, before, after)
+                    }
+                    Err(err) => {
+                        tracing::debug!(activity_id = %a.id, error = %err, "checking a remembered room failed");
+                        early::Verdict::Unsure
+                    }
+                };
+                match verdict {
+                    early::Verdict::Confirmed => {
+                        guard.confirmed(sent);
+                        Some(early::waiting(a, seq))
+                    }
+                    early::Verdict::Lost => {
+                        self.early.forget_gen(&a.id, room.gen());
+                        None
+                    }
+                    early::Verdict::Unsure => None,
+                }
+            }
+        }
     }
 
     /// Whether `user` holds a turn now (or has reserved already).
@@ -345,6 +431,10 @@ impl WaitingRoom {
 
     /// One upkeep step of an activity's room: the draw once due, then admissions.
     pub async fn step(&self, a: &Activity, now: DateTime<Utc>) -> anyhow::Result<()> {
+        if !EarlyJoins::before_start(a, now) {
+            self.early.forget(&a.id);
+        }
+        metrics::gauge!("flashsale_waiting_room_remembered_joins").set(self.early.len() as f64);
         if now < a.starts_at + DRAW_GRACE {
             return Ok(());
         }
@@ -872,18 +962,24 @@ mod tests {
     #[test]
     fn script_replies_decode() {
         let s = |v: &str| v.to_owned();
+        let waiting = |code, seq: &str, kind: &str| {
+            (code, s(seq), s(kind), s("waiting"), s(seq), -1, -1, s("g"))
+        };
         assert_eq!(
-            Joined::decode((1, s("7"), s("late"))),
+            Joined::decode(&waiting(1, "7", "late")),
             Joined::Now {
                 seq: s("7"),
                 kind: s("late")
             }
         );
         assert_eq!(
-            Joined::decode((0, s("7"), s(""))),
+            Joined::decode(&waiting(0, "7", "")),
             Joined::Before { seq: s("7") }
         );
-        assert_eq!(Joined::decode((-1, s(""), s(""))), Joined::Rebuilding);
+        assert_eq!(
+            Joined::decode(&(-1, s(""), s(""), s("none"), s(""), -1, -1, s(""))),
+            Joined::Rebuilding
+        );
         assert_eq!(
             [0, 1, 2].map(Turn::decode),
             [Turn::None, Turn::Held, Turn::RanOut]

@@ -1,33 +1,8 @@
--- A user's place in the waiting room, in one round trip.
+
+-- status.lua (after place.lua): a user's place, in one round trip, and the
+-- room's generation (see join.lua; "" when it has none).
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
 -- ARGV[1] user id, ARGV[2] now (ms)
---
--- Returns {state, ticket, users ahead (-1: not drawn yet or not waiting),
---          admitted until ms (-1: not admitted)}; state "none" when never joined.
-local seq = redis.call("ZSCORE", KEYS[1], ARGV[1]) or redis.call("ZSCORE", KEYS[2], ARGV[1])
-if not seq then
-  return {"none", "", -1, -1}
-end
-local outcome = redis.call("HGET", KEYS[6], ARGV[1])
-if outcome == "reserved" then
-  return {"admitted", seq, -1, -1}
-elseif outcome then
-  return {outcome, seq, -1, -1}
-end
-local until_ms = redis.call("ZSCORE", KEYS[5], ARGV[1])
-if until_ms then
-  if tonumber(until_ms) < tonumber(ARGV[2]) then
-    return {"expired", seq, -1, -1}
-  end
-  return {"admitted", seq, -1, tonumber(until_ms)}
-end
-if redis.call("HEXISTS", KEYS[7], "closed") == 1 then
-  return {"sold_out", seq, -1, -1}
-end
-local rank = redis.call("ZRANK", KEYS[4], ARGV[1])
-if rank then
-  return {"waiting", seq, rank, -1}
-end
-return {"waiting", seq, -1, -1}
+local p = place(ARGV[1], tonumber(ARGV[2]))
+p[5] = redis.call("HGET", KEYS[7], "gen") or ""
+return p

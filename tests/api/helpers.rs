@@ -979,3 +979,33 @@ impl OwnBroker {
         self.broker.kill();
     }
 }
+
+/// The quoted words of a `MONITOR` line that quotes no code: the command and
+/// its arguments.
+pub fn words(line: &str) -> Vec<&str> {
+    line.split('"').skip(1).step_by(2).collect()
+}
+
+/// The script calls among `MONITOR` lines, each with the commands it ran (a
+/// script's commands follow its call, uninterrupted, on its node; a call
+/// answered `NOSCRIPT`, which ran nothing, is left out: the call sent again
+/// with its code follows), and the lines that belong to none.
+pub fn script_calls(lines: &[String]) -> (Vec<(&String, Vec<&String>)>, Vec<String>) {
+    let mut runs: Vec<(&String, Vec<&String>)> = Vec::new();
+    let mut other = Vec::new();
+    for line in lines {
+        let command = words(line).first().map(|c| c.to_uppercase());
+        if matches!(command.as_deref(), Some("EVALSHA" | "EVAL")) {
+            runs.push((line, Vec::new()));
+        } else if line.contains("[0 lua]") {
+            runs.last_mut()
+                .expect("a script's command after its call")
+                .1
+                .push(line);
+        } else {
+            other.push(line.clone());
+        }
+    }
+    runs.retain(|(_, inner)| !inner.is_empty());
+    (runs, other)
+}

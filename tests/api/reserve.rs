@@ -8,7 +8,8 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 
 use crate::helpers::{
-    assert_error, eventually, read_topic, spawn_app, unique, OwnBroker, TestApp, WAIT,
+    assert_error, eventually, read_topic, script_calls, spawn_app, unique, words, OwnBroker,
+    TestApp, WAIT,
 };
 
 /// The seed's test: 100 users click twice, 200 concurrent requests for 10 units.
@@ -275,34 +276,12 @@ struct ScriptRun {
     confirmed: usize,
 }
 
-/// The quoted words of a `MONITOR` line that quotes no code: the command and
-/// its arguments.
-fn words(line: &str) -> Vec<&str> {
-    line.split('"').skip(1).step_by(2).collect()
-}
-
-/// The script runs among `lines` (a call answered `NOSCRIPT`, which ran
-/// nothing, is left out: the call sent again with its code follows), and the
-/// lines that belong to none.
+/// The script runs among `lines` (see [`script_calls`]), and the lines that
+/// belong to none.
 fn script_runs(lines: &[String]) -> (Vec<ScriptRun>, Vec<String>) {
-    let mut runs: Vec<(Vec<&String>, Vec<&String>)> = Vec::new();
-    let mut other = Vec::new();
-    for line in lines {
-        let command = words(line).first().map(|c| c.to_uppercase());
-        if matches!(command.as_deref(), Some("EVALSHA" | "EVAL")) {
-            runs.push((vec![line], Vec::new()));
-        } else if line.contains("[0 lua]") {
-            runs.last_mut()
-                .expect("a script's command after its call")
-                .1
-                .push(line);
-        } else {
-            other.push(line.clone());
-        }
-    }
+    let (runs, other) = script_calls(lines);
     let runs = runs
         .into_iter()
-        .filter(|(_, inner)| !inner.is_empty())
         .map(|(call, inner)| {
             let touches = |key: &str| inner.iter().any(|l| l.contains(&format!("{key}\"")));
             let name = if touches(":state") {
@@ -312,7 +291,7 @@ fn script_runs(lines: &[String]) -> (Vec<ScriptRun>, Vec<String>) {
             } else {
                 "acknowledge"
             };
-            let mut commands = vec![words(call[0])[0].to_uppercase()];
+            let mut commands = vec![words(call)[0].to_uppercase()];
             let mut confirmed = 0;
             for l in inner {
                 let w = words(l);

@@ -11,7 +11,9 @@ use serde_json::{json, Value};
 
 use testkit::stats::binomial_interval;
 
-use crate::helpers::{assert_error, eventually, spawn_app, unique, SaleSpec, TestApp};
+use crate::helpers::{
+    assert_error, eventually, script_calls, spawn_app, unique, words, SaleSpec, TestApp,
+};
 
 /// A sale with a waiting room that starts in `starts_in`; created and preloaded.
 async fn room_sale(app: &TestApp, stock: u32, starts_in: Duration) -> (String, String) {
@@ -242,6 +244,165 @@ async fn a_turn_not_taken_goes_to_the_next_user() {
     );
     let figures = room(&app, &id).await;
     assert!(figures["expired_total"].as_u64() >= Some(1), "{figures}");
+    app.stop().await;
+}
+
+/// What waiting costs Redis, counted by `MONITOR` (the commands scripts run
+/// included): a join is one script call, which answers the place too (a
+/// repeated join as well: it repairs a join Redis lost); before the start, a
+/// poll of a user the instance saw join costs Redis nothing, and answers what
+/// Redis answered. An unknown user is still asked of Redis (and is `404`).
+#[tokio::test]
+async fn a_join_is_one_script_call_and_polls_before_the_start_cost_redis_nothing() {
+    let app = spawn_app().await;
+    let spec = SaleSpec {
+        starts_in_secs: 300,
+        waiting_room: true,
+        ..SaleSpec::new(5)
+    };
+    let sale = app.open_sale_spec(&spec).await;
+    let users: Vec<String> = (0..5).map(|i| format!("w{i}")).collect();
+    let watch = app.watch_redis(&sale).await;
+    let started = std::time::Instant::now();
+    let mut joined = HashMap::new();
+    for u in &users {
+        let resp = app.join_queue(&sale.sku, u).await;
+        assert_eq!(resp.status(), StatusCode::CREATED);
+        let body: Value = resp.json().await.expect("JSON");
+        assert_eq!(body["state"], "waiting", "{body}");
+        joined.insert(u.clone(), body);
+    }
+    for _ in 0..3 {
+        for u in &users {
+            let resp = app.queue_place(&sale.sku, u).await;
+            assert_eq!(resp.status(), StatusCode::OK);
+            assert!(resp.headers().contains_key("retry-after"));
+            let body: Value = resp.json().await.expect("JSON");
+            assert_eq!(body, joined[u], "{u}: the same answer as Redis gave");
+        }
+        let again = app.join_queue(&sale.sku, "w0").await;
+        assert_eq!(again.status(), StatusCode::OK);
+        let body: Value = again.json().await.expect("JSON");
+        assert_eq!(body, joined["w0"]);
+    }
+    let never = app.queue_place(&sale.sku, "never-joined").await;
+    assert_error(never, StatusCode::NOT_FOUND, "not_found").await;
+
+    let lines = app.watched(&sale, watch).await;
+    let elapsed = started.elapsed();
+    let (calls, other) = script_calls(&lines);
+    assert!(other.is_empty(), "commands outside the scripts: {other:?}");
+    let inner = |run: &[&String]| -> Vec<String> {
+        run.iter()
+            .filter_map(|l| words(l).first().map(|w| w.to_uppercase()))
+            .collect()
+    };
+    // Besides the requests' calls, the room's background work: the journal
+    // copier (which finds the journal's entries, or nothing) and the check
+    // that the room is still the one remembered (its generation, counter and
+    // Redis's clock, at most once a second).
+    let journal = |i: &[String]| matches!(i.first().map(String::as_str), Some("LLEN" | "GET"));
+    // (`TIME` names no key, so the watch leaves it out.)
+    let check = |i: &[String]| i == ["HGET", "GET"];
+    let (mut requests, mut checks) = (Vec::new(), 0);
+    for (call, run) in &calls {
+        let i = inner(run);
+        if check(&i) {
+            checks += 1;
+        } else if !journal(&i) {
+            requests.push((call, i));
+        }
+    }
+    assert!(
+        checks <= elapsed.as_secs() as usize + 2,
+        "{checks} checks in {elapsed:?}: at most one a second"
+    );
+    let joins = requests
+        .iter()
+        .filter(|(_, i)| i.contains(&"INCR".to_owned()));
+    assert_eq!(joins.count(), users.len(), "one call a join: {requests:?}");
+    assert_eq!(
+        requests.len(),
+        users.len() + 3 + 1,
+        "one call a join (the repeated ones too) and one for the unknown user, none for the polls: {requests:?}"
+    );
+    app.stop().await;
+}
+
+/// What an instance remembers of early joins is dropped once Redis lost the
+/// room's recent writes (its arrival counter went back) or the whole room (its
+/// generation is gone): polls answer what Redis answers within the check's
+/// two seconds, never a place that no longer exists.
+#[tokio::test]
+async fn remembered_joins_follow_a_room_redis_lost() {
+    let app = spawn_app().await;
+    let spec = SaleSpec {
+        starts_in_secs: 300,
+        waiting_room: true,
+        ..SaleSpec::new(5)
+    };
+    let sale = app.open_sale_spec(&spec).await;
+    let mut joined = HashMap::new();
+    for user in ["kept", "lost"] {
+        let resp = app.join_queue(&sale.sku, user).await;
+        assert_eq!(resp.status(), StatusCode::CREATED);
+        let body: Value = resp.json().await.expect("JSON");
+        let resp = app.queue_place(&sale.sku, user).await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.json::<Value>().await.expect("JSON"), body);
+        joined.insert(user, body);
+    }
+    let keys = flashsale::stock::RoomKeys::new(&sale.id, sale.shards);
+    let mut conn = app.state.stock.connection();
+    // A failover that lost the last join: the user and the counter's step.
+    let _: () = redis::pipe()
+        .zrem(&keys.joined, "lost")
+        .decr(&keys.seq, 1)
+        .query_async(&mut conn)
+        .await
+        .expect("the last join lost");
+    eventually(
+        Duration::from_secs(5),
+        "the lost join forgotten",
+        || async {
+            let resp = app.queue_place(&sale.sku, "lost").await;
+            (resp.status() == StatusCode::NOT_FOUND).then_some(())
+        },
+    )
+    .await;
+    let resp = app.queue_place(&sale.sku, "kept").await;
+    assert_eq!(resp.json::<Value>().await.expect("JSON"), joined["kept"]);
+    // Joining again gives a place Redis has, and that is what is remembered.
+    let resp = app.join_queue(&sale.sku, "lost").await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let again: Value = resp.json().await.expect("JSON");
+    assert_eq!(again["state"], "waiting", "{again}");
+    let resp = app.queue_place(&sale.sku, "lost").await;
+    assert_eq!(resp.json::<Value>().await.expect("JSON"), again);
+
+    // The whole room lost.
+    for k in keys.all() {
+        let _: () = redis::cmd("DEL")
+            .arg(k)
+            .query_async(&mut conn)
+            .await
+            .expect("DEL");
+    }
+    eventually(
+        Duration::from_secs(5),
+        "the lost room forgotten",
+        || async {
+            let kept = app.queue_place(&sale.sku, "kept").await.status();
+            let lost = app.queue_place(&sale.sku, "lost").await.status();
+            (kept == StatusCode::NOT_FOUND && lost == StatusCode::NOT_FOUND).then_some(())
+        },
+    )
+    .await;
+    let resp = app.join_queue(&sale.sku, "kept").await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let again: Value = resp.json().await.expect("JSON");
+    let resp = app.queue_place(&sale.sku, "kept").await;
+    assert_eq!(resp.json::<Value>().await.expect("JSON"), again);
     app.stop().await;
 }
 
@@ -608,7 +769,7 @@ async fn a_join_after_the_draw_read_the_joiners_is_placed() {
     let (_, new) = app
         .state
         .waiting_room
-        .join(&a, "behind")
+        .join(&a, "behind", chrono::Utc::now())
         .await
         .expect("join")
         .expect("the room is there");
