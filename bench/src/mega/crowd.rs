@@ -3,7 +3,9 @@
 //!
 //! - **Open admission**: user after user, each clicking `clicks` times; a user's
 //!   clicks are adjacent, so they are in flight together (a double click).
-//! - **Waiting room**: every user joins before the start; from the start each
+//! - **Waiting room**: every user joins before the start, then asks once where
+//!   they stand while the start is still ahead (as a client counting down
+//!   does); from the start each
 //!   one asks where they stand as often as `Retry-After` says, reserves
 //!   (`clicks` times at once) when admitted, and pays its order, which lets the
 //!   room close once nothing can come back. The users' next steps wait in one
@@ -149,6 +151,9 @@ pub struct CrowdRun {
     /// (waiting room), the first and last `202`, the first answer that showed
     /// the draw's places, the last user to learn their outcome, the end.
     pub joins_ended_s: Option<f64>,
+    /// When the one poll each user makes before the start ended.
+    #[serde(default)]
+    pub early_polls_ended_s: Option<f64>,
     pub starts_s: Option<f64>,
     pub first_accept_s: Option<f64>,
     pub last_accept_s: Option<f64>,
@@ -256,6 +261,8 @@ struct Run {
     clicks: u32,
     timeout: Duration,
     deadline: Instant,
+    /// Waiting room: the polls before the start stop here (2 s before it).
+    early_polls_until: Option<Instant>,
     reserve_path: String,
     queue_path: String,
     reservation_path: String,
@@ -354,15 +361,20 @@ impl Worker {
             1
         };
         let planned = run.users as u64 * per_user;
+        let until = match kind {
+            Kind::Poll => run.early_polls_until.unwrap_or(run.deadline),
+            _ => run.deadline,
+        };
         loop {
             let i = run.shared.next.fetch_add(1, Ordering::Relaxed);
-            if i >= planned || Instant::now() >= run.deadline {
+            if i >= planned || Instant::now() >= until.min(run.deadline) {
                 break;
             }
             let user = (i / per_user) as usize;
             let auth = run.tokens.header(user)?;
             match kind {
                 Kind::Join => self.join(user, &auth).await,
+                Kind::Poll => self.poll_early(&auth).await,
                 _ => {
                     self.reserve(user, &auth, false).await;
                 }
@@ -378,6 +390,20 @@ impl Worker {
             if status == StatusCode::CREATED || status == StatusCode::OK {
                 self.run.shared.flags[user].fetch_or(JOINED, Ordering::Relaxed);
             }
+        }
+    }
+
+    /// A poll before the start: counted, nothing scheduled (the start is).
+    async fn poll_early(&mut self, auth: &HeaderValue) {
+        let path = self.run.queue_path.clone();
+        if let Some((status, _, body)) = self.send(Kind::Poll, Method::GET, &path, auth).await {
+            let detail = if status == StatusCode::OK {
+                let place: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                place["state"].as_str().unwrap_or("?").to_owned()
+            } else {
+                error_code(&body).unwrap_or("").to_owned()
+            };
+            self.count(Kind::Poll, status, &detail);
         }
     }
 
@@ -568,37 +594,43 @@ where
     let sampler = Sampler::start(shared.clone(), plan.server_pid, plan.redis_url.clone()).await;
     let driven = drive(&plan, &shared, &run, on_joined).await;
     let samples = sampler.finish().await;
-    let (outs, joins_ended_s, starts_s) = driven?;
-    Ok(merge(
-        &plan,
-        &shared,
-        outs,
-        samples,
-        joins_ended_s,
-        starts_s,
-    ))
+    let (outs, timeline) = driven?;
+    Ok(merge(&plan, &shared, outs, samples, timeline))
 }
 
-/// The phases of the run: the clicks (open), or the joins and then every
-/// user's steps from the start (waiting room). Returns the workers' figures,
-/// when the joins ended and when the sale started (seconds from the start).
+/// Seconds from the crowd's start at which a waiting room's phases ended.
+#[derive(Debug, Default)]
+struct Timeline {
+    joins_ended_s: Option<f64>,
+    early_polls_ended_s: Option<f64>,
+    starts_s: Option<f64>,
+}
+
+/// The phases of the run: the clicks (open), or the joins, one poll each
+/// before the start, and then every user's steps from the start (waiting
+/// room). Returns the workers' figures and when each phase ended.
 async fn drive<F, Fut>(
     plan: &CrowdPlan,
     shared: &Arc<Shared>,
     run: &Arc<Run>,
     on_joined: F,
-) -> anyhow::Result<(Vec<WorkerOut>, Option<f64>, Option<f64>)>
+) -> anyhow::Result<(Vec<WorkerOut>, Timeline)>
 where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
     let Some(starts_at) = plan.room_starts_at else {
         let outs = phase(run, plan.connections, Phase::Counted(Kind::Reserve)).await?;
-        return Ok((outs, None, None));
+        return Ok((outs, Timeline::default()));
     };
     let mut outs = phase(run, plan.connections, Phase::Counted(Kind::Join)).await?;
     let joins_ended_s = shared.t0.elapsed().as_secs_f64();
     on_joined().await;
+    let mut early_polls_ended_s = None;
+    if run.early_polls_until.is_some_and(|t| Instant::now() < t) {
+        outs.extend(phase(run, plan.connections, Phase::Counted(Kind::Poll)).await?);
+        early_polls_ended_s = Some(shared.t0.elapsed().as_secs_f64());
+    }
     // Everyone asks where they stand from the start on.
     let due = shared.us(starts_at);
     {
@@ -609,7 +641,14 @@ where
     }
     outs.extend(phase(run, plan.connections, Phase::Scheduled).await?);
     let starts_s = starts_at.saturating_duration_since(shared.t0).as_secs_f64();
-    Ok((outs, Some(joins_ended_s), Some(starts_s)))
+    Ok((
+        outs,
+        Timeline {
+            joins_ended_s: Some(joins_ended_s),
+            early_polls_ended_s,
+            starts_s: Some(starts_s),
+        },
+    ))
 }
 
 /// The shared state and the run's constants for `plan`.
@@ -642,6 +681,9 @@ fn prepare(plan: &CrowdPlan) -> (Arc<Shared>, Arc<Run>) {
         clicks: plan.clicks,
         timeout: plan.request_timeout,
         deadline: t0 + plan.max_duration,
+        early_polls_until: plan
+            .room_starts_at
+            .and_then(|s| s.checked_sub(Duration::from_secs(2))),
         reserve_path: format!("/flash/{}/reserve", plan.sku),
         queue_path: format!("/flash/{}/queue", plan.sku),
         reservation_path: format!("/flash/{}/reservation", plan.sku),
@@ -697,8 +739,7 @@ fn merge(
     shared: &Shared,
     outs: Vec<WorkerOut>,
     samples: Vec<Sample>,
-    joins_ended_s: Option<f64>,
-    starts_s: Option<f64>,
+    timeline: Timeline,
 ) -> CrowdRun {
     let mut hist: Vec<Histogram<u64>> = Vec::new();
     let mut answers = BTreeMap::new();
@@ -745,8 +786,9 @@ fn merge(
         known: shared.known.load(Ordering::Relaxed),
         joined: flags.iter().filter(|f| *f & JOINED != 0).count() as u64,
         admitted: shared.admitted.load(Ordering::Relaxed),
-        joins_ended_s,
-        starts_s,
+        joins_ended_s: timeline.joins_ended_s,
+        early_polls_ended_s: timeline.early_polls_ended_s,
+        starts_s: timeline.starts_s,
         first_accept_s: shared.seconds(&shared.first_accept_us),
         last_accept_s: shared.seconds(&shared.last_accept_us),
         draw_seen_s: shared.seconds(&shared.draw_seen_us),

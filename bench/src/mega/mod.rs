@@ -344,11 +344,12 @@ async fn sell(
     let redis_url = bench.settings.redis.url.clone();
     let (calibrated, lead) = if room {
         let rate = calibrate_joins(bench, server, book).await?;
-        // Every join before the start, with a margin for a slower moment.
-        let lead = (o.mega_users as f64 / rate.max(1.0) * 1.3 + 3.0).ceil();
+        // Every join and one poll each before the start (a poll costs less
+        // than a join), with a margin for a slower moment.
+        let lead = (o.mega_users as f64 / rate.max(1.0) * 2.3 + 5.0).ceil();
         if lead > 590.0 {
             eprintln!(
-                "== mega: warning: {lead:.0} s of joins is past the room's 600 s opening; some users will join late"
+                "== mega: warning: {lead:.0} s of joins and polls is past the room's 600 s opening; some users will join late or not poll before the start"
             );
         }
         (Some(rate), Some(lead.min(590.0)))
@@ -681,8 +682,13 @@ fn phases(c: &CrowdRun) -> Vec<PhaseCost> {
     match (c.joins_ended_s, c.starts_s) {
         (Some(joined), Some(start)) => {
             cuts.push(("joining", 0.0, joined));
-            if start > joined {
-                cuts.push(("waiting for the start", joined, start));
+            let mut waited_from = joined;
+            if let Some(polled) = c.early_polls_ended_s {
+                cuts.push(("polling before the start", joined, polled));
+                waited_from = polled;
+            }
+            if start > waited_from {
+                cuts.push(("waiting for the start", waited_from, start));
             }
             let sold = c.last_accept_s.unwrap_or(end).max(start);
             cuts.push(("selling", start, sold));

@@ -364,6 +364,20 @@ fn floors(md: &mut String, summary: &Summary, m: &MegaSection) {
                 noop.and_then(|r| r.cpu_us_per_request()),
                 "µs",
             );
+            line(
+                "poll before the start: Redis commands / request (target 0)",
+                v.phase("polling before the start")
+                    .and_then(PhaseCost::redis_commands_per_request),
+                Some(0.0),
+                "",
+            );
+            line(
+                "poll before the start: service CPU / poll",
+                v.phase("polling before the start")
+                    .and_then(PhaseCost::cpu_us_per_request),
+                noop.and_then(|r| r.cpu_us_per_request()),
+                "µs",
+            );
             let after = v.phase("after the sell-out");
             let _ = writeln!(
                 md,
