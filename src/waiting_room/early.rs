@@ -10,22 +10,26 @@
 //! ([`CHECK_EVERY`], one script call, `check.lua`) rather than per request:
 //!
 //! - **the room's generation** (`gen` in its meta hash, set by the join that
-//!   created the room): a room Redis lost whole (a restart empty) and a join
-//!   created again has another;
-//! - **the room's arrival counter**: it only grows before the draw, so a
-//!   counter below the highest arrival number this instance learnt means Redis
-//!   lost recent writes (a failover before they reached the replica, a restart
-//!   from an older snapshot);
+//!   created the room, ordered by Redis's clock): a room Redis lost whole (a
+//!   restart empty, a `DEL`) and a join created again has another;
+//! - **the Redis process** (its `run_id`): a failover or a restart may lose
+//!   the last writes before it (a replica is behind its primary; a snapshot is
+//!   older than the process it restores), so a room answered by another
+//!   process than at the room's first check is forgotten, lost writes or not;
+//! - **the last join learnt**: the highest arrival number this instance
+//!   learnt, with its user, as it was when the check was sent: that user still
+//!   holds that number and the counter is not below it (Redis applies writes
+//!   in order, so a later join surviving means the earlier ones did);
 //! - **Redis's clock**: the draw is sealed by Redis's clock `DRAW_GRACE` after
 //!   the start; memory answers only while this instance's clock is within
 //!   [`MAX_SKEW_MS`] of Redis's (bounded by the check's round trip), so the
 //!   window always closes before the draw.
 //!
-//! A room whose generation or counter disagrees is forgotten (Redis answers
-//! again: `404` for a user it no longer has, who joins again). A check that
-//! fails (Redis slow or down) or finds the clocks apart forgets nothing: Redis
-//! answers until a check succeeds. While one request checks a room, the others
-//! keep answering from memory if the last check is under
+//! A room a check finds changed is forgotten (Redis answers again: `404` for a
+//! user it no longer has, who joins again). A check that fails (Redis slow or
+//! down) or finds the clocks apart forgets nothing, but memory stops answering
+//! until a check confirms the room again. While one request checks a room, the
+//! others keep answering from memory if the last confirmation is under
 //! 2 × [`CHECK_EVERY`] old, so an answer from memory is at most two seconds
 //! behind Redis.
 //!
@@ -37,7 +41,7 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -72,9 +76,11 @@ pub struct EarlyRoom {
     /// Users remembered across rooms: this room's count leaves it when the
     /// room is dropped (after the last request holding it let go).
     total: Arc<AtomicUsize>,
-    /// The highest arrival number learnt: Redis's counter below it means
-    /// Redis lost writes.
-    highest: AtomicU64,
+    /// The join with the highest arrival number learnt (a check asks that
+    /// Redis still has it).
+    last: Mutex<Option<(u64, Box<str>)>>,
+    /// The Redis process (`run_id`) that answered the room's first check.
+    node: Mutex<Option<String>>,
     /// When the last check that confirmed the room was sent.
     checked: Mutex<Option<Instant>>,
     checking: AtomicBool,
@@ -95,7 +101,8 @@ impl EarlyRoom {
             hasher: Default::default(),
             count: AtomicUsize::new(0),
             total,
-            highest: AtomicU64::new(0),
+            last: Mutex::default(),
+            node: Mutex::default(),
             checked: Mutex::new(None),
             checking: AtomicBool::new(false),
         }
@@ -105,9 +112,10 @@ impl EarlyRoom {
         &self.gen
     }
 
-    /// The highest arrival number learnt in this room.
-    pub fn highest(&self) -> u64 {
-        self.highest.load(Ordering::Relaxed)
+    /// The join with the highest arrival number learnt so far: what a check
+    /// sent now asks Redis about.
+    pub fn last(&self) -> Option<(u64, Box<str>)> {
+        lock(&self.last).clone()
     }
 
     fn shard(&self, user: &str) -> &Mutex<HashMap<Box<str>, u64>> {
@@ -139,6 +147,12 @@ impl CheckGuard {
     pub fn confirmed(self, sent: Instant) {
         *lock(&self.0.checked) = Some(sent);
     }
+
+    /// Redis could not confirm the room: memory stops answering until a
+    /// check does.
+    pub fn distrust(self) {
+        *lock(&self.0.checked) = None;
+    }
 }
 
 impl Drop for CheckGuard {
@@ -168,25 +182,48 @@ pub enum Verdict {
     Unsure,
 }
 
-/// A check's reply: `gen` and `seq` the room's generation and arrival
-/// counter, `redis_ms` Redis's clock, read between `before_ms` and `after_ms`
+/// What `check.lua` answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckReply {
+    /// The room's generation ("" when it has none).
+    pub gen: String,
+    /// The room's arrival counter.
+    pub counter: u64,
+    /// Whether the last join learnt is still there, with its number.
+    pub last_kept: bool,
+    /// The Redis process that ran the check.
+    pub run_id: String,
+    /// Redis's clock, ms.
+    pub redis_ms: i64,
+}
+
+/// A check's `reply`, for a check sent with `last` (the join with the highest
+/// number learnt then), Redis's clock read between `before_ms` and `after_ms`
 /// of ours.
 pub fn verdict(
     room: &EarlyRoom,
-    gen: &str,
-    seq: u64,
-    redis_ms: i64,
+    last: Option<u64>,
+    reply: &CheckReply,
     before_ms: i64,
     after_ms: i64,
 ) -> Verdict {
-    if gen.is_empty() || gen != room.gen() || seq < room.highest() {
+    let node_changed = lock(&room.node)
+        .as_deref()
+        .is_some_and(|node| node != reply.run_id);
+    if reply.gen.is_empty()
+        || reply.gen != room.gen()
+        || node_changed
+        || !reply.last_kept
+        || last.is_some_and(|seq| reply.counter < seq)
+    {
         return Verdict::Lost;
     }
     // Redis's clock was read somewhere between `before` and `after`: the
     // difference is within the bound whichever moment it was.
-    if redis_ms - before_ms > MAX_SKEW_MS || after_ms - redis_ms > MAX_SKEW_MS {
+    if reply.redis_ms - before_ms > MAX_SKEW_MS || after_ms - reply.redis_ms > MAX_SKEW_MS {
         return Verdict::Unsure;
     }
+    lock(&room.node).get_or_insert_with(|| reply.run_id.clone());
     Verdict::Confirmed
 }
 
@@ -270,11 +307,15 @@ impl EarlyJoins {
         };
         let room = match self.room(&a.id) {
             Some(room) if room.gen == gen => room,
+            // A late answer from a room Redis lost before the one remembered
+            // (generations are ordered by Redis's clock).
+            Some(room) if room.gen.as_str() > gen => return,
             _ => {
                 let room = Arc::new(EarlyRoom::new(gen, self.len.clone()));
                 let mut rooms = self.rooms_mut();
                 match rooms.get(&a.id) {
                     Some(other) if other.gen == gen => other.clone(),
+                    Some(other) if other.gen.as_str() > gen => return,
                     _ => {
                         let old = rooms.insert(a.id.clone(), room.clone());
                         drop(rooms);
@@ -284,7 +325,12 @@ impl EarlyJoins {
                 }
             }
         };
-        room.highest.fetch_max(seq, Ordering::Relaxed);
+        {
+            let mut last = lock(&room.last);
+            if last.as_ref().is_none_or(|(highest, _)| seq > *highest) {
+                *last = Some((seq, user.into()));
+            }
+        }
         let mut users = lock(room.shard(user));
         if let Some(known) = users.get_mut(user) {
             // A user Redis lost and who joined again has a new number.
@@ -301,6 +347,9 @@ impl EarlyJoins {
 
     /// Forgets a room's users (its window has closed).
     pub fn forget(&self, activity_id: &str) {
+        if self.room(activity_id).is_none() {
+            return;
+        }
         let old = self.rooms_mut().remove(activity_id);
         dropped(old);
     }
@@ -456,32 +505,98 @@ mod tests {
         drop(checking);
         // What a check's reply says.
         let t = 1_000_000;
-        assert_eq!(verdict(&r, "g1", 7, t, t, t), Verdict::Confirmed);
+        let reply = |gen: &str, counter, last_kept, run_id: &str, redis_ms| CheckReply {
+            gen: gen.into(),
+            counter,
+            last_kept,
+            run_id: run_id.into(),
+            redis_ms,
+        };
+        let ok = reply("g1", 7, true, "n1", t);
+        assert_eq!(verdict(&r, Some(7), &ok, t, t), Verdict::Confirmed);
         assert_eq!(
-            verdict(&r, "g1", 9, t + 400, t - 50, t + 50),
+            verdict(
+                &r,
+                Some(7),
+                &reply("g1", 9, true, "n1", t + 400),
+                t - 50,
+                t + 50
+            ),
             Verdict::Confirmed
         );
         assert_eq!(
-            verdict(&r, "g1", 6, t, t, t),
+            verdict(&r, Some(7), &reply("g1", 6, true, "n1", t), t, t),
             Verdict::Lost,
             "the counter went back"
         );
-        assert_eq!(verdict(&r, "g2", 7, t, t, t), Verdict::Lost);
-        assert_eq!(verdict(&r, "", 7, t, t, t), Verdict::Lost);
         assert_eq!(
-            verdict(&r, "g1", 7, t + MAX_SKEW_MS + 1, t, t),
+            verdict(&r, Some(7), &reply("g1", 9, false, "n1", t), t, t),
+            Verdict::Lost,
+            "the last join learnt is gone, whatever joined since"
+        );
+        assert_eq!(
+            verdict(&r, Some(7), &reply("g1", 9, true, "n2", t), t, t),
+            Verdict::Lost,
+            "another Redis process than at the first check"
+        );
+        assert_eq!(
+            verdict(&r, Some(7), &reply("g2", 7, true, "n1", t), t, t),
+            Verdict::Lost
+        );
+        assert_eq!(
+            verdict(&r, Some(7), &reply("", 7, true, "n1", t), t, t),
+            Verdict::Lost
+        );
+        assert_eq!(
+            verdict(
+                &r,
+                Some(7),
+                &reply("g1", 7, true, "n1", t + MAX_SKEW_MS + 1),
+                t,
+                t
+            ),
             Verdict::Unsure
         );
         assert_eq!(
-            verdict(&r, "g1", 7, t, t - 300, t + 300),
+            verdict(
+                &r,
+                Some(7),
+                &reply("g1", 7, true, "n1", t),
+                t - 300,
+                t + 300
+            ),
             Verdict::Confirmed,
             "within the bound at either end"
         );
         assert_eq!(
-            verdict(&r, "g1", 7, t, t - 600, t + 600),
+            verdict(
+                &r,
+                Some(7),
+                &reply("g1", 7, true, "n1", t),
+                t - 600,
+                t + 600
+            ),
             Verdict::Unsure,
             "a round trip too long to tell"
         );
+        // A check that cannot confirm stops memory until one does.
+        r.begin_check().expect("a check").distrust();
+        assert!(matches!(
+            early.known(&a, "u1", now),
+            Some(Known::Unchecked(_, 7))
+        ));
+        // A late answer of an older generation leaves the newer one in place.
+        early.learn(&a, "u1", "7", &waiting(&a, 7), "g0", now);
+        assert!(
+            matches!(early.known(&a, "u1", now), Some(Known::Unchecked(r, 7)) if r.gen() == "g1")
+        );
+        early.learn(&a, "u2", "1", &waiting(&a, 1), "g2", now);
+        assert_eq!(
+            seq(&early, &a, "u1", now),
+            None,
+            "a newer room replaces the older"
+        );
+        assert_eq!(seq(&early, &a, "u2", now), Some(1));
     }
 
     #[test]
@@ -505,5 +620,12 @@ mod tests {
         early.learn(&a, "u1", "5", &waiting(&a, 5), "g1", now);
         assert_eq!(early.len(), 1);
         assert_eq!(seq(&early, &a, "u1", now), Some(5));
+        // The last join is the highest number learnt, in whatever order.
+        early.learn(&a, "u2", "9", &waiting(&a, 9), "g1", now);
+        early.learn(&a, "u3", "8", &waiting(&a, 8), "g1", now);
+        let Some(Known::Unchecked(r, _)) = early.known(&a, "u3", now) else {
+            panic!("remembered");
+        };
+        assert_eq!(r.last(), Some((9, "u2".into())));
     }
 }

@@ -6,7 +6,8 @@
 --         then was lost with Redis), ARGV[3] starts_at (ms), ARGV[4] the place
 --         offset of late joiners (behind every drawn place), ARGV[5] now (ms,
 --         the instance's clock, as `status.lua` takes it), ARGV[6] a fresh
---         random token: the room's generation if this join creates the room
+--         random token: with Redis's clock before it, the room's generation
+--         if this join creates the room
 --
 -- Returns {1, ticket, "early" | "late", place…, generation} joined now, {0,
 -- ticket, "", place…, generation} joined before, {-1, "", "", "none", "", -1,
@@ -34,7 +35,8 @@ if not sealed and now >= tonumber(ARGV[2]) then
   return {-1, "", "", "none", "", -1, -1, ""}
 end
 seq = redis.call("INCR", KEYS[3])
-redis.call("HSETNX", KEYS[7], "gen", ARGV[6])
+-- The generation: Redis's clock first, so that a later room's is greater.
+redis.call("HSETNX", KEYS[7], "gen", string.format("%010d%06d-%s", tonumber(t[1]), tonumber(t[2]), ARGV[6]))
 -- Early only while the draw has not read the joiners yet (`sealed`, set in the
 -- same step as that read): a join that runs after the read would be in no
 -- draw, and never placed.

@@ -26,8 +26,8 @@
 //!   whatever the joining instance's clock says.
 //! - **Cheap to wait.** A join is one script call that answers the place too
 //!   (`join.lua`); a poll one (`status.lua`), both built on `place.lua`.
-//!   Before the start, polls and repeated joins of users this instance saw join
-//!   are answered from memory ([`early`]).
+//!   Before the start, polls of users this instance saw join are answered from
+//!   memory, checked once a second against Redis ([`early`]).
 //! - **A room Redis lost comes back.** Joins and settled turns are
 //!   journalled in Redis and copied to MySQL in batches (`journal.lua`,
 //!   `waiting_room_journal`); a rebuilt room gets them back (`restore.lua`),
@@ -167,7 +167,7 @@ impl Turn {
     }
 }
 
-/// What `seal.lua` answered.
+/// What sealing the early joins gave.
 #[derive(Debug, PartialEq)]
 enum Sealed {
     /// Before the draw is due: nothing sealed.
@@ -177,18 +177,11 @@ enum Sealed {
 }
 
 impl Sealed {
-    /// `{"due", user, arrival, user, arrival, …}`, or `{"early"}`.
+    /// `seal.lua`'s `{"due"}` (the joiners are read after it, a page at a
+    /// time), or `{"early"}`.
     fn decode(reply: Vec<String>) -> Self {
-        match reply.split_first() {
-            Some((head, joined)) if head == "due" => Sealed::Due(
-                joined
-                    .chunks(2)
-                    .filter_map(|pair| match pair {
-                        [user, score] => Some((user.clone(), score.parse().ok()?)),
-                        _ => None,
-                    })
-                    .collect(),
-            ),
+        match reply.first() {
+            Some(head) if head == "due" => Sealed::Due(Vec::new()),
             _ => Sealed::Early,
         }
     }
@@ -361,15 +354,29 @@ impl WaitingRoom {
             }
             Known::Unchecked(room, seq) => {
                 let guard = room.begin_check()?;
+                // What the check asks about is what was learnt before it was
+                // sent: an answer Redis gave after it may arrive first.
+                let last = room.last();
+                let (last_user, last_seq) = match &last {
+                    Some((seq, user)) => (user.to_string(), seq.to_string()),
+                    None => (String::new(), String::new()),
+                };
                 let sent = Instant::now();
                 let before = ms(Utc::now());
-                let reply: RedisResult<(String, u64, i64, i64)> =
-                    self.run(a, &self.check, &[]).await;
+                let reply: RedisResult<(String, u64, i64, String, i64, i64)> = self
+                    .run(a, &self.check, &[arg(&last_user), arg(&last_seq)])
+                    .await;
                 let after = ms(Utc::now());
                 let verdict = match reply {
-                    Ok((gen, counter, secs, micros)) => {
-                        let redis_ms = secs * 1_000 + micros / 1_000;
-                        early::verdict(&room, &gen, counter, redis_ms, before, after)
+                    Ok((gen, counter, kept, run_id, secs, micros)) => {
+                        let reply = early::CheckReply {
+                            gen,
+                            counter,
+                            last_kept: kept == 1,
+                            run_id,
+                            redis_ms: secs * 1_000 + micros / 1_000,
+                        };
+                        early::verdict(&room, last.map(|(seq, _)| seq), &reply, before, after)
                     }
                     Err(err) => {
                         tracing::debug!(activity_id = %a.id, error = %err, "checking a remembered room failed");
@@ -385,7 +392,10 @@ impl WaitingRoom {
                         self.early.forget_gen(&a.id, room.gen());
                         None
                     }
-                    early::Verdict::Unsure => None,
+                    early::Verdict::Unsure => {
+                        guard.distrust();
+                        None
+                    }
                 }
             }
         }
@@ -551,7 +561,37 @@ impl WaitingRoom {
         let sealed = self
             .run(a, &self.seal, &[arg(ms(due)), arg(highest)])
             .await?;
-        Ok(Sealed::decode(sealed))
+        if Sealed::decode(sealed) == Sealed::Early {
+            return Ok(Sealed::Early);
+        }
+        // Sealed: the early joiners no longer change. Read a page at a time in
+        // arrival order (a million in one reply would hold Redis for seconds,
+        // past every client's timeout).
+        let keys = RoomKeys::new(&a.id, a.stock_shards);
+        let mut conn = self.conn.clone();
+        let mut joined: Vec<(String, f64)> = Vec::new();
+        loop {
+            let after = match joined.last() {
+                Some((_, seq)) => format!("({seq}"),
+                None => "-inf".to_owned(),
+            };
+            let page: Vec<(String, f64)> = redis::cmd("ZRANGEBYSCORE")
+                .arg(&keys.joined)
+                .arg(after)
+                .arg("+inf")
+                .arg("WITHSCORES")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(DRAW_CHUNK)
+                .query_async(&mut conn)
+                .await
+                .context("reading the sealed early joiners")?;
+            let full = page.len() == DRAW_CHUNK;
+            joined.extend(page);
+            if !full {
+                return Ok(Sealed::Due(joined));
+            }
+        }
     }
 
     /// Draws the early joiners' order and records it in MySQL, or takes the
@@ -986,10 +1026,7 @@ mod tests {
         );
         assert_eq!(Sealed::decode(vec![s("early")]), Sealed::Early);
         assert_eq!(Sealed::decode(Vec::new()), Sealed::Early);
-        assert_eq!(
-            Sealed::decode(vec![s("due"), s("u1"), s("2"), s("u2"), s("x"), s("u3")]),
-            Sealed::Due(vec![(s("u1"), 2.0)])
-        );
+        assert_eq!(Sealed::decode(vec![s("due")]), Sealed::Due(Vec::new()));
     }
 
     #[test]
