@@ -113,6 +113,8 @@ pub struct MysqlFigures {
 /// Beyond the publish timeout, for the broker's acknowledgement to reach the
 /// service and the message's offset to reach the lag.
 const PUBLISH_GRACE: Duration = Duration::from_millis(500);
+/// How long one reading of the consumers' lag may take.
+const LAG_READ_TIMEOUT: Duration = Duration::from_secs(3);
 
 #[derive(Clone)]
 pub struct Reconciler {
@@ -179,8 +181,25 @@ impl Reconciler {
             .get(activity_id)
             .copied()
             .unwrap_or_else(Instant::now);
+        // Connect (and read once, the answer unused) while those publishes
+        // land: the read that counts is then one round trip on a connection
+        // already made, not a new client's connection and metadata (over a
+        // second on a loaded machine, all of it time without service).
+        let settings = self.kafka.clone();
+        let probe = tokio::task::spawn_blocking(move || -> anyhow::Result<kafka::GroupProbe> {
+            let probe = kafka::GroupProbe::new(&settings)?;
+            let _ = probe.read(LAG_READ_TIMEOUT);
+            Ok(probe)
+        });
         tokio::time::sleep_until((since + self.in_flight()).into()).await;
-        match kafka::consumer_lag(&self.kafka).await {
+        let lag = async {
+            let probe = anyhow::Context::context(probe.await, "lag probe task failed")??;
+            let read = tokio::task::spawn_blocking(move || -> anyhow::Result<i64> {
+                Ok(probe.read(LAG_READ_TIMEOUT)?.iter().map(|p| p.lag).sum())
+            });
+            anyhow::Context::context(read.await, "lag probe task failed")?
+        };
+        match lag.await {
             Ok(lag) => Some(lag),
             Err(err) => {
                 tracing::warn!(error = %err, "consumer lag unknown");
