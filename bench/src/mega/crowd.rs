@@ -435,6 +435,15 @@ impl Worker {
                 let wait = retry.unwrap_or(1).max(1) * 1_000_000;
                 shared.push(shared.us(now) + wait, user, Kind::Reserve);
             }
+            // The turn ended before the click arrived (it ran out, or the
+            // crowd reached the user late): back to the room, as a client
+            // does, to hear `expired` or a place.
+            403 if room
+                && code == "not_admitted"
+                && shared.flags[user].fetch_and(!ADMITTED, Ordering::Relaxed) & ADMITTED != 0 =>
+            {
+                shared.push(shared.us(now) + 1_000_000, user, Kind::Poll);
+            }
             _ => {}
         }
         false
