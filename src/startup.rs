@@ -224,7 +224,6 @@ impl Application {
             activities.clone(),
             stock.clone(),
             reconciler.clone(),
-            settings.kafka.clone(),
             reconcile_now.clone(),
         );
         let audit = AuditRepo::new(pool.clone());

@@ -8,8 +8,6 @@ use chrono::Utc;
 use tokio::sync::Notify;
 
 use crate::activity::{Activity, ActivityRepo, Build, TopUpError, Window};
-use crate::config::KafkaSettings;
-use crate::kafka;
 use crate::reconcile::{Rebuild, Reconciler};
 use crate::stock::{PreloadMode, RefundOutcome, StockStore};
 
@@ -38,14 +36,13 @@ pub enum PreloadError {
 }
 
 /// The parts the sequences use: activities in MySQL, the stock in Redis, the
-/// reconciler (whose rebuild a preload is), the Kafka settings (the consumers'
+/// reconciler (whose rebuild a preload is, and whose probe reads the consumers'
 /// lag) and the reconciler's wake-up.
 #[derive(Clone)]
 pub struct Stocking {
     activities: ActivityRepo,
     stock: StockStore,
     reconciler: Reconciler,
-    kafka: KafkaSettings,
     reconcile_now: Arc<Notify>,
 }
 
@@ -54,14 +51,12 @@ impl Stocking {
         activities: ActivityRepo,
         stock: StockStore,
         reconciler: Reconciler,
-        kafka: KafkaSettings,
         reconcile_now: Arc<Notify>,
     ) -> Self {
         Stocking {
             activities,
             stock,
             reconciler,
-            kafka,
             reconcile_now,
         }
     }
@@ -89,10 +84,7 @@ impl Stocking {
         let lag = if activity.redis_epoch == 0 {
             Some(0)
         } else if loaded {
-            kafka::consumer_lag(&self.kafka)
-                .await
-                .map_err(|e| tracing::warn!(error = %e, "consumer lag unknown"))
-                .ok()
+            self.reconciler.measure_lag().await
         } else {
             self.reconciler.lag_once_published(id).await
         };

@@ -325,6 +325,60 @@ pub async fn group_offsets(settings: &KafkaSettings) -> anyhow::Result<GroupOffs
     .context("lag probe task failed")?
 }
 
+/// The consumer group's lag read by one long-lived client, shared by the
+/// reconciler's passes and the operator's preload: a reading is then a few round
+/// trips on connections already made. A new client's connection and metadata
+/// took over a second on a loaded machine, and after Redis lost a sale every
+/// such second is time without service. A reading that fails drops the client;
+/// the next reading starts a new one.
+#[derive(Clone)]
+pub struct LagProbe {
+    settings: KafkaSettings,
+    client: Arc<Mutex<Option<Arc<GroupProbe>>>>,
+}
+
+impl LagProbe {
+    pub fn new(settings: KafkaSettings) -> Self {
+        LagProbe {
+            settings,
+            client: Arc::default(),
+        }
+    }
+
+    /// The messages published and not yet committed, summed over the topic's
+    /// partitions; `timeout` bounds each request to the broker.
+    pub async fn lag(&self, timeout: Duration) -> anyhow::Result<i64> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || this.read(timeout))
+            .await
+            .context("lag probe task failed")?
+    }
+
+    fn read(&self, timeout: Duration) -> anyhow::Result<i64> {
+        let client = {
+            let mut slot = self.client.lock().unwrap_or_else(|e| e.into_inner());
+            match &*slot {
+                Some(client) => Arc::clone(client),
+                None => {
+                    let client = Arc::new(GroupProbe::new(&self.settings)?);
+                    *slot = Some(Arc::clone(&client));
+                    client
+                }
+            }
+        };
+        match client.read(timeout) {
+            Ok(partitions) => Ok(partitions.iter().map(|p| p.lag).sum()),
+            Err(err) => {
+                let mut slot = self.client.lock().unwrap_or_else(|e| e.into_inner());
+                if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, &client)) {
+                    *slot = None;
+                }
+                Err(err)
+            }
+        }
+    }
+}
+
 /// Where the order consumers' group stands on one partition of the reservation
 /// topic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -351,6 +405,9 @@ impl GroupProbe {
             .set("group.id", &settings.group_id)
             .set("enable.auto.commit", "false")
             .set("socket.connection.setup.timeout.ms", "2000")
+            // A long-lived probe reconnects to a broker that came back within a
+            // second, not after librdkafka's default backoff of up to ten.
+            .set("reconnect.backoff.max.ms", "1000")
             .create()
             .context("failed to create the group probe")?;
         Ok(GroupProbe {

@@ -122,6 +122,8 @@ pub struct Reconciler {
     pub orders: OrderRepo,
     pub stock: StockStore,
     pub kafka: KafkaSettings,
+    /// The consumers' lag, read on one long-lived client.
+    pub lag_probe: kafka::LagProbe,
     pub pending_deadline: Duration,
     /// The last report of each activity this instance reconciled.
     pub last: Arc<std::sync::Mutex<std::collections::HashMap<String, Report>>>,
@@ -144,6 +146,7 @@ impl Reconciler {
             activities,
             orders,
             stock,
+            lag_probe: kafka::LagProbe::new(kafka.clone()),
             kafka,
             pending_deadline,
             last: Arc::default(),
@@ -181,31 +184,30 @@ impl Reconciler {
             .get(activity_id)
             .copied()
             .unwrap_or_else(Instant::now);
-        // Connect (and read once, the answer unused) while those publishes
-        // land: the read that counts is then one round trip on a connection
-        // already made, not a new client's connection and metadata (over a
-        // second on a loaded machine, all of it time without service).
-        let settings = self.kafka.clone();
-        let probe = tokio::task::spawn_blocking(move || -> anyhow::Result<kafka::GroupProbe> {
-            let probe = kafka::GroupProbe::new(&settings)?;
-            let _ = probe.read(LAG_READ_TIMEOUT);
-            Ok(probe)
+        // Connect (a reading whose answer is unused) while those publishes land,
+        // if the probe has no connection yet: the reading that counts is then a
+        // few round trips on connections already made.
+        let probe = self.lag_probe.clone();
+        let connect = tokio::spawn(async move {
+            let _ = probe.lag(LAG_READ_TIMEOUT).await;
         });
         tokio::time::sleep_until((since + self.in_flight()).into()).await;
-        let lag = async {
-            let probe = anyhow::Context::context(probe.await, "lag probe task failed")??;
-            let read = tokio::task::spawn_blocking(move || -> anyhow::Result<i64> {
-                Ok(probe.read(LAG_READ_TIMEOUT)?.iter().map(|p| p.lag).sum())
-            });
-            anyhow::Context::context(read.await, "lag probe task failed")?
-        };
-        match lag.await {
-            Ok(lag) => Some(lag),
-            Err(err) => {
-                tracing::warn!(error = %err, "consumer lag unknown");
-                None
-            }
-        }
+        // The reading must start after the wait, so the connecting one ends first.
+        let _ = connect.await;
+        self.measure_lag().await
+    }
+
+    /// When the run loop should look again at the activities whose rebuild waits
+    /// out the publishes in flight at their loss: the earliest moment one of them
+    /// may be rebuilt, or `REBUILD_RETRY` from now, whichever comes first.
+    fn next_retry(&self) -> Instant {
+        let now = Instant::now();
+        let in_flight = self.in_flight();
+        let lost = self.lost_since.lock().unwrap_or_else(|e| e.into_inner());
+        lost.values()
+            .map(|since| *since + in_flight)
+            .filter(|due| *due > now)
+            .fold(now + REBUILD_RETRY, Instant::min)
     }
 
     /// The last report this instance made for an activity.
@@ -251,8 +253,11 @@ impl Reconciler {
             .stock
             .snapshot(&activity.id, activity.stock_shards)
             .await?;
-        report.consumer_lag = self.measure_lag().await;
+        // Redis had lost the activity by the time it answered (if it had): the
+        // wait for publishes in flight at the loss counts from here, and a lag
+        // read after it began counts every publish acknowledged before.
         let lag_measured = Instant::now();
+        report.consumer_lag = self.measure_lag().await;
         report.loaded = snapshot.loaded();
         if !report.loaded {
             // A split activity with some shards lost: the others still sell and
@@ -281,6 +286,18 @@ impl Reconciler {
             }
         }
         self.found(&activity.id);
+        if fresh.auto_paused {
+            // Paused for a loss that is over: the state is whole and current. It
+            // was built by another instance, or by a preload that wrote Redis just
+            // before this instance's pause (its look at Redis came first), and a
+            // build made while MySQL was not yet paused leaves the pause to
+            // nobody. Redis is left as it is: a build opens it, and a rebuild
+            // still deciding its pending reservations holds it shut on purpose.
+            report.resumed = self.activities.auto_resume(&activity.id).await?;
+            if report.resumed {
+                tracing::warn!(activity_id = %activity.id, "the activity is whole in Redis again; resumed it");
+            }
+        }
         self.decide_expired(activity, &mut report).await?;
         report.transfers_finished = self
             .stock
@@ -322,7 +339,7 @@ impl Reconciler {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .entry(activity.id.clone())
-            .or_insert_with(Instant::now);
+            .or_insert(lag_measured);
         let in_flight = self.in_flight();
         if !activity.paused {
             report.paused_automatically = self
@@ -432,7 +449,16 @@ impl Reconciler {
         }
         let built = built?;
         if let Rebuild::Built(build) = &built {
-            if !build.paused && fresh.auto_paused {
+            // Read again now that the build is recorded: an automatic pause that
+            // landed after `fresh` was read (an instance that looked at Redis
+            // before this build wrote it) is lifted here, not left to a pass.
+            // Later pauses are refused by the build's epoch.
+            let now = self
+                .activities
+                .get(&activity.id)
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
+            if !build.paused && now.auto_paused {
                 self.activities.auto_resume(&activity.id).await?;
             }
         }
@@ -721,10 +747,11 @@ impl Reconciler {
         // every second, not at the next interval: it is not selling meanwhile.
         let mut rebuild_waiting = false;
         loop {
+            let retry = self.next_retry();
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
-                _ = tokio::time::sleep(REBUILD_RETRY), if rebuild_waiting => {}
+                _ = tokio::time::sleep_until(retry.into()), if rebuild_waiting => {}
                 _ = wake.notified() => {}
             }
             rebuild_waiting = false;
@@ -761,8 +788,8 @@ impl Reconciler {
 
     /// The consumer group's lag into `flashsale_consumer_lag_messages`; a broker
     /// that does not answer leaves the gauge as it was (and says so in the log).
-    async fn measure_lag(&self) -> Option<i64> {
-        match kafka::consumer_lag(&self.kafka).await {
+    pub async fn measure_lag(&self) -> Option<i64> {
+        match self.lag_probe.lag(LAG_READ_TIMEOUT).await {
             Ok(lag) => {
                 metrics::gauge!("flashsale_consumer_lag_messages").set(lag as f64);
                 Some(lag)

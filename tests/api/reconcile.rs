@@ -227,6 +227,52 @@ async fn redis_loss_pauses_rebuilds_and_resumes() {
     app.stop().await;
 }
 
+/// An automatic pause that lost a race with a preload: the reconciler looked at
+/// Redis before the preload wrote the sale, and paused it in MySQL after. The
+/// sale is whole and current in Redis, so the next pass lifts the pause.
+#[tokio::test]
+async fn an_automatic_pause_left_over_a_whole_sale_is_lifted() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(5, 1).await;
+    let built = app
+        .state
+        .activities
+        .get(&sale.id)
+        .await
+        .expect("query")
+        .expect("activity")
+        .redis_built_epoch;
+    assert!(
+        app.state
+            .activities
+            .auto_pause(&sale.id, built)
+            .await
+            .expect("pause"),
+        "the race's pause lands"
+    );
+    app.state.cache.refresh().await.expect("refresh");
+    let resp = app.reserve(&sale.sku, "shut-out", None).await;
+    assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "paused").await;
+    let report = app.reconcile(&sale.id).await;
+    assert_eq!(report["resumed"], true, "{report}");
+    assert_eq!(report["rebuilt"], false, "{report}");
+    let activity = app
+        .state
+        .activities
+        .get(&sale.id)
+        .await
+        .expect("query")
+        .expect("activity");
+    assert!(!activity.paused && !activity.auto_paused, "resumed");
+    app.state.cache.refresh().await.expect("refresh");
+    assert_eq!(
+        app.reserve(&sale.sku, "shut-out", None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    assert_eq!(app.redis_stock(&sale).await, Some(4));
+    app.stop().await;
+}
+
 /// A flushed script cache costs one extra round trip, never a failed request.
 #[tokio::test]
 async fn script_flush_fails_no_request() {
