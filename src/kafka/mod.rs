@@ -433,11 +433,18 @@ impl GroupProbe {
             .consumer
             .fetch_metadata(Some(topic), timeout)
             .context("the broker did not answer a metadata request")?;
-        let partitions: Vec<i32> = md
-            .topics()
-            .first()
-            .map(|t| t.partitions().iter().map(|p| p.id()).collect())
-            .unwrap_or_default();
+        // A topic the broker does not know now (an error, or no partitions) has
+        // no lag that can be read: an empty list would read as lag 0.
+        let Some(found) = md.topics().first() else {
+            anyhow::bail!("the broker returned no metadata for {topic}");
+        };
+        if let Some(err) = found.error() {
+            anyhow::bail!("the broker answered {err:?} for {topic}");
+        }
+        let partitions: Vec<i32> = found.partitions().iter().map(|p| p.id()).collect();
+        if partitions.is_empty() {
+            anyhow::bail!("the broker knows no partition of {topic}");
+        }
         let mut tpl = TopicPartitionList::new();
         for p in &partitions {
             tpl.add_partition(topic, *p);

@@ -287,14 +287,23 @@ impl Reconciler {
         }
         self.found(&activity.id);
         if fresh.auto_paused {
-            // Paused for a loss that is over: the state is whole and current. It
-            // was built by another instance, or by a preload that wrote Redis just
-            // before this instance's pause (its look at Redis came first), and a
-            // build made while MySQL was not yet paused leaves the pause to
-            // nobody. Redis is left as it is: a build opens it, and a rebuild
-            // still deciding its pending reservations holds it shut on purpose.
-            report.resumed = self.activities.auto_resume(&activity.id).await?;
-            if report.resumed {
+            // Paused automatically, yet the state is whole and current: a build
+            // whose own resume failed (MySQL refused it after Redis was written).
+            // Redis is looked at once more, after that pause was read, so a loss
+            // since then keeps it; then both switches open, as after a rebuild.
+            let again = self
+                .stock
+                .snapshot(&activity.id, activity.stock_shards)
+                .await?;
+            let current = again.loaded()
+                && again
+                    .epoch
+                    .is_some_and(|epoch| epoch >= fresh.redis_built_epoch);
+            if current && self.activities.auto_resume(&activity.id).await? {
+                report.resumed = true;
+                self.stock
+                    .set_paused(&activity.id, activity.stock_shards, false)
+                    .await?;
                 tracing::warn!(activity_id = %activity.id, "the activity is whole in Redis again; resumed it");
             }
         }
@@ -448,19 +457,10 @@ impl Reconciler {
             }
         }
         let built = built?;
-        if let Rebuild::Built(build) = &built {
-            // Read again now that the build is recorded: an automatic pause that
-            // landed after `fresh` was read (an instance that looked at Redis
-            // before this build wrote it) is lifted here, not left to a pass.
-            // Later pauses are refused by the build's epoch.
-            let now = self
-                .activities
-                .get(&activity.id)
-                .await?
-                .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
-            if !build.paused && now.auto_paused {
-                self.activities.auto_resume(&activity.id).await?;
-            }
+        if !matches!(built, Rebuild::Waiting(_)) {
+            // The state is whole again, whoever wrote it: a later loss is timed
+            // from its own first sight, never from this one's.
+            self.found(&activity.id);
         }
         Ok(built)
     }
@@ -489,6 +489,18 @@ impl Reconciler {
             self.activities
                 .record_build(&activity.id, build.epoch)
                 .await?;
+            // Read again at once now that the build is recorded: an automatic
+            // pause that landed since `activity` was read (an instance that
+            // looked at Redis before this build wrote it) is lifted here, not
+            // left to nobody. A pause taken later carries this build's epoch.
+            let now = self
+                .activities
+                .get(&activity.id)
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
+            if !build.paused && now.auto_paused {
+                self.activities.auto_resume(&activity.id).await?;
+            }
             // The build is written whatever happens here: a unit not returned
             // now is missing from Redis, which the drift repair finds and adds.
             if let Err(err) = self.return_late_lapses(activity, &build).await {
