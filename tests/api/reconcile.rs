@@ -234,14 +234,7 @@ async fn redis_loss_pauses_rebuilds_and_resumes() {
 async fn an_automatic_pause_left_over_a_whole_sale_is_lifted() {
     let app = spawn_app().await;
     let sale = app.open_sale(5, 1).await;
-    let built = app
-        .state
-        .activities
-        .get(&sale.id)
-        .await
-        .expect("query")
-        .expect("activity")
-        .redis_built_epoch;
+    let built = stored(&app, &sale.id).await.redis_built_epoch;
     assert!(
         app.state
             .activities
@@ -256,13 +249,7 @@ async fn an_automatic_pause_left_over_a_whole_sale_is_lifted() {
     let report = app.reconcile(&sale.id).await;
     assert_eq!(report["resumed"], true, "{report}");
     assert_eq!(report["rebuilt"], false, "{report}");
-    let activity = app
-        .state
-        .activities
-        .get(&sale.id)
-        .await
-        .expect("query")
-        .expect("activity");
+    let activity = stored(&app, &sale.id).await;
     assert!(!activity.paused && !activity.auto_paused, "resumed");
     app.state.cache.refresh().await.expect("refresh");
     assert_eq!(
@@ -330,13 +317,7 @@ async fn an_older_build_in_redis_is_detected_and_rebuilt() {
     })
     .await;
     assert_eq!(app.redis_stock(&sale).await, Some(4));
-    let activity = app
-        .state
-        .activities
-        .get(&sale.id)
-        .await
-        .expect("query")
-        .expect("activity");
+    let activity = stored(&app, &sale.id).await;
     assert!(!activity.paused && !activity.auto_paused, "resumed");
     app.state.cache.refresh().await.expect("refresh");
     let resp = app.reserve(&sale.sku, "early", None).await;
@@ -414,4 +395,14 @@ async fn a_lowered_stock_leaves_room_for_the_units_still_owed_to_redis() {
         "Redis holds what MySQL has, not more"
     );
     app.stop().await;
+}
+
+/// The activity as MySQL holds it now.
+async fn stored(app: &TestApp, id: &str) -> flashsale::activity::Activity {
+    app.state
+        .activities
+        .get(id)
+        .await
+        .expect("query")
+        .expect("activity")
 }
