@@ -210,6 +210,15 @@ impl Reconciler {
             .fold(now + REBUILD_RETRY, Instant::min)
     }
 
+    /// The activity as MySQL holds it now; one that was there a moment ago and
+    /// is gone is an error.
+    async fn reread(&self, id: &str) -> anyhow::Result<Activity> {
+        self.activities
+            .get(id)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("activity {id} vanished"))
+    }
+
     /// The last report this instance made for an activity.
     pub fn last_report(&self, activity_id: &str) -> Option<Report> {
         let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
@@ -242,11 +251,7 @@ impl Reconciler {
         };
         // MySQL's record of the builds first, then Redis: a build recorded before
         // Redis is read is in what Redis shows, unless Redis went back in time.
-        let fresh = self
-            .activities
-            .get(&activity.id)
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
+        let fresh = self.reread(&activity.id).await?;
         // Redis, then the lag: a rebuild needs every message published before the
         // loss was seen to have reached MySQL.
         let snapshot = self
@@ -379,18 +384,13 @@ impl Reconciler {
                 return Ok(());
             }
             Rebuild::Built(build) => {
-                self.found(&activity.id);
                 report.rebuilt = true;
                 tracing::warn!(activity_id = %activity.id, available = build.available, buyers = build.buyers.len(), "activity rebuilt from MySQL");
                 metrics::counter!("flashsale_activity_rebuilt_total").increment(1);
             }
             Rebuild::AlreadyLoaded => {}
         }
-        let fresh = self
-            .activities
-            .get(&activity.id)
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
+        let fresh = self.reread(&activity.id).await?;
         if fresh.auto_paused || !fresh.paused {
             report.resumed = self.activities.auto_resume(&activity.id).await?;
             // Whoever built the state, it should now be open.
@@ -418,11 +418,7 @@ impl Reconciler {
         mode: PreloadMode,
         lag: Option<i64>,
     ) -> anyhow::Result<Rebuild> {
-        let fresh = self
-            .activities
-            .get(&activity.id)
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
+        let fresh = self.reread(&activity.id).await?;
         if fresh.redis_epoch > 0 {
             match lag {
                 Some(0) => {}
@@ -493,11 +489,7 @@ impl Reconciler {
             // pause that landed since `activity` was read (an instance that
             // looked at Redis before this build wrote it) is lifted here, not
             // left to nobody. A pause taken later carries this build's epoch.
-            let now = self
-                .activities
-                .get(&activity.id)
-                .await?
-                .ok_or_else(|| anyhow::anyhow!("activity {} vanished", activity.id))?;
+            let now = self.reread(&activity.id).await?;
             if !build.paused && now.auto_paused {
                 self.activities.auto_resume(&activity.id).await?;
             }

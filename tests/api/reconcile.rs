@@ -227,9 +227,9 @@ async fn redis_loss_pauses_rebuilds_and_resumes() {
     app.stop().await;
 }
 
-/// An automatic pause that lost a race with a preload: the reconciler looked at
-/// Redis before the preload wrote the sale, and paused it in MySQL after. The
-/// sale is whole and current in Redis, so the next pass lifts the pause.
+/// An automatic pause left over a sale that is whole and current in Redis (a
+/// pause that lost a race with a build, or a build whose own resume failed):
+/// the next pass lifts it.
 #[tokio::test]
 async fn an_automatic_pause_left_over_a_whole_sale_is_lifted() {
     let app = spawn_app().await;
