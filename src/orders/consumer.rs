@@ -85,6 +85,13 @@ impl RebalanceReport {
             None => false,
         }
     }
+
+    /// The last rebalance gave this consumer its partitions less than `window`
+    /// ago (see [`super::stall`]: an orphan is judged sooner then).
+    fn fresh(&self, now: Instant, window: Duration) -> bool {
+        matches!(*self.last.lock().unwrap_or_else(|p| p.into_inner()),
+            Some((at, true)) if now.duration_since(at) < window)
+    }
 }
 
 impl ClientContext for RebalanceReport {}
@@ -186,7 +193,11 @@ impl OrderConsumer {
         tracing::info!("order consumer started");
         let mut watch = GroupWatch {
             view: self.spawn_probe(&shutdown),
-            stall: StallWatch::new(self.stall_patience, self.stall_check * 5),
+            stall: StallWatch::new(
+                self.stall_patience,
+                self.stall_check * 2,
+                self.stall_check * 5,
+            ),
             next: Instant::now() + self.stall_check,
         };
         loop {
@@ -308,10 +319,9 @@ impl OrderConsumer {
         let Some((read_at, view)) = watch.view.borrow().clone() else {
             return;
         };
-        let settling =
-            self.consumer
-                .context()
-                .settling(now, self.stall_check * 2, self.stall_patience);
+        let group = self.consumer.context();
+        let settling = group.settling(now, self.stall_check * 2, self.stall_patience);
+        let fresh = group.fresh(now, self.stall_patience);
         let held: std::collections::HashSet<i32> = match self.consumer.assignment() {
             Ok(list) => list
                 .elements_for_topic(&self.kafka.topic)
@@ -327,7 +337,11 @@ impl OrderConsumer {
         // fleet do not rejoin in step.
         let jitter =
             (uuid::Uuid::new_v4().as_u128() & ((1 << 53) - 1)) as f64 / (1u64 << 53) as f64;
-        if watch.stall.look(&view, &held, settling, jitter, read_at) == Verdict::Rejoin {
+        if watch
+            .stall
+            .look(&view, &held, settling, fresh, jitter, read_at)
+            == Verdict::Rejoin
+        {
             let waiting: i64 = view.iter().map(|p| p.lag).sum();
             tracing::warn!(
                 waiting,

@@ -18,6 +18,13 @@
 //! [`MAX_PATIENCE`], comes back to one session timeout only once nothing is stuck,
 //! and carries a jitter so that idle members of one fleet do not keep rejoining
 //! in step.
+//!
+//! Right after this consumer's group was reshaped (a rebalance, which is also how
+//! a restarted broker shows itself), an orphan is judged much sooner: every live
+//! member was handed its partitions in that rebalance, so a partition whose
+//! backlog still stands a moment after it ended was handed to a member that is
+//! gone. A broker that keeps departed members across its own restart does that,
+//! and a sale that lost Redis then waits for that backlog before it rebuilds.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -44,6 +51,8 @@ pub enum Verdict {
 #[derive(Debug)]
 pub struct StallWatch {
     first_patience: Duration,
+    /// The first patience while the group is fresh (see `look`).
+    quick: Duration,
     patience: Duration,
     /// Readings further apart than this (the probe failed, or this consumer was
     /// busy) say nothing about the time between them: the clocks start again.
@@ -58,10 +67,12 @@ pub struct StallWatch {
 
 impl StallWatch {
     /// `patience`: how long a partition's backlog may stand still before the
-    /// first rejoin; `gap`: see the field.
-    pub fn new(patience: Duration, gap: Duration) -> Self {
+    /// first rejoin; `quick`: the same while the group is fresh (no longer than
+    /// `patience`); `gap`: see the field.
+    pub fn new(patience: Duration, quick: Duration, gap: Duration) -> Self {
         StallWatch {
             first_patience: patience,
+            quick: quick.min(patience),
             patience,
             gap,
             still_since: HashMap::new(),
@@ -72,8 +83,10 @@ impl StallWatch {
 
     /// One look at a reading taken at `at`: the group's offsets per partition,
     /// the partitions this consumer holds, whether its group is settling (a
-    /// rebalance less than one patience ago: it holds nothing yet, and nobody is
-    /// late), and `jitter` in [0, 1) that stretches the wait between two rejoins
+    /// rebalance under way, or ended a moment ago: it holds nothing yet, and
+    /// nobody is late), whether it is fresh (settled from a rebalance less than
+    /// one patience ago: a partition not held here, standing still for `quick`,
+    /// is orphaned), and `jitter` in [0, 1) that stretches the wait between two rejoins
     /// by up to a quarter. The first rejoin comes after one patience exactly: a
     /// healthy coordinator would have handed the partition out by then, and idle
     /// members rejoining together make one rebalance, not several.
@@ -82,6 +95,7 @@ impl StallWatch {
         group: &[PartitionOffsets],
         held: &HashSet<i32>,
         settling: bool,
+        fresh: bool,
         jitter: f64,
         at: Instant,
     ) -> Verdict {
@@ -93,6 +107,11 @@ impl StallWatch {
         }
         self.last_reading = Some(at);
         let stretch = 1.0 + jitter.clamp(0.0, 1.0) / 4.0;
+        let judged_after = if fresh {
+            self.quick
+        } else {
+            self.first_patience
+        };
         let mut stuck = false;
         let mut orphaned = false;
         for p in group {
@@ -107,7 +126,7 @@ impl StallWatch {
                 }
             };
             let standing = at.saturating_duration_since(since);
-            if p.lag > 0 && standing >= self.first_patience {
+            if p.lag > 0 && standing >= judged_after {
                 stuck = true;
                 orphaned |= !held.contains(&p.partition);
             }
@@ -135,6 +154,7 @@ mod tests {
     use super::*;
 
     const P: Duration = Duration::from_secs(6);
+    const Q: Duration = Duration::from_secs(2);
     const SECOND: Duration = Duration::from_secs(1);
 
     fn part(partition: i32, committed: i64, lag: i64) -> PartitionOffsets {
@@ -150,7 +170,7 @@ mod tests {
     }
 
     fn watch() -> StallWatch {
-        StallWatch::new(P, Duration::from_secs(3))
+        StallWatch::new(P, Q, Duration::from_secs(3))
     }
 
     /// Looks every second from `from` for `secs` seconds at the same reading;
@@ -163,7 +183,9 @@ mod tests {
         secs: u32,
     ) -> Vec<u32> {
         (0..secs)
-            .filter(|&i| w.look(g, &held(mine), false, 0.0, from + SECOND * i) == Verdict::Rejoin)
+            .filter(|&i| {
+                w.look(g, &held(mine), false, false, 0.0, from + SECOND * i) == Verdict::Rejoin
+            })
             .collect()
     }
 
@@ -182,11 +204,14 @@ mod tests {
         for i in 0..6 {
             let g = [part(0, i, 1), part(1, i, 1), part(2, 7, 4)];
             let at = t0 + SECOND * i as u32;
-            assert_eq!(w.look(&g, &held(&[0, 1]), false, 0.0, at), Verdict::Wait);
+            assert_eq!(
+                w.look(&g, &held(&[0, 1]), false, false, 0.0, at),
+                Verdict::Wait
+            );
         }
         let g = [part(0, 6, 1), part(1, 6, 1), part(2, 7, 4)];
         assert_eq!(
-            w.look(&g, &held(&[0, 1]), false, 0.0, t0 + P),
+            w.look(&g, &held(&[0, 1]), false, false, 0.0, t0 + P),
             Verdict::Rejoin
         );
     }
@@ -205,7 +230,7 @@ mod tests {
         for i in 0..60 {
             let g = [part(0, i, 3)];
             let at = t0 + SECOND * i as u32;
-            assert_eq!(w.look(&g, &held(&[]), false, 0.0, at), Verdict::Wait);
+            assert_eq!(w.look(&g, &held(&[]), false, false, 0.0, at), Verdict::Wait);
         }
     }
 
@@ -259,7 +284,7 @@ mod tests {
         let mut w = watch();
         // The probe failed for 20 s (the broker was down) after one reading.
         assert_eq!(
-            w.look(&[part(0, 5, 3)], &held(&[]), false, 0.0, t0),
+            w.look(&[part(0, 5, 3)], &held(&[]), false, false, 0.0, t0),
             Verdict::Wait
         );
         let t = t0 + Duration::from_secs(20);
@@ -273,10 +298,10 @@ mod tests {
         let g = [part(0, 5, 3)];
         for i in 0..60 {
             let at = t0 + SECOND * i;
-            assert_eq!(w.look(&g, &held(&[]), true, 0.0, at), Verdict::Wait);
+            assert_eq!(w.look(&g, &held(&[]), true, false, 0.0, at), Verdict::Wait);
         }
         assert_eq!(
-            w.look(&g, &held(&[]), false, 0.0, t0 + SECOND * 60),
+            w.look(&g, &held(&[]), false, false, 0.0, t0 + SECOND * 60),
             Verdict::Rejoin
         );
     }
@@ -287,9 +312,43 @@ mod tests {
         let mut w = watch();
         let g = [part(0, 5, 3)];
         let rejoins: Vec<u32> = (0..15)
-            .filter(|&i| w.look(&g, &held(&[]), false, 0.99, t0 + SECOND * i) == Verdict::Rejoin)
+            .filter(|&i| {
+                w.look(&g, &held(&[]), false, false, 0.99, t0 + SECOND * i) == Verdict::Rejoin
+            })
             .collect();
         // The first after one patience; the next after 6 s × 1.2475, not 6 s.
         assert_eq!(rejoins, vec![6, 14]);
+    }
+
+    #[test]
+    fn a_fresh_group_judges_an_orphan_after_the_quick_patience() {
+        let t0 = Instant::now();
+        let mut w = watch();
+        // Settling for 2 s after the rebalance, then fresh: the backlog that
+        // stood through the rebalance is judged 2 s after it started, at once.
+        let g = [part(0, 5, 3), part(1, 8, 0)];
+        let mine = held(&[1]);
+        assert_eq!(w.look(&g, &mine, true, true, 0.0, t0), Verdict::Wait);
+        assert_eq!(
+            w.look(&g, &mine, true, true, 0.0, t0 + SECOND),
+            Verdict::Wait
+        );
+        assert_eq!(w.look(&g, &mine, false, true, 0.0, t0 + Q), Verdict::Rejoin);
+        // The next rejoin still waits one whole patience.
+        let later: Vec<u32> = (3..13)
+            .filter(|&i| w.look(&g, &mine, false, true, 0.0, t0 + SECOND * i) == Verdict::Rejoin)
+            .collect();
+        assert_eq!(later, vec![8]);
+    }
+
+    #[test]
+    fn a_fresh_group_never_rejoins_over_a_partition_it_holds_or_one_that_moves() {
+        let t0 = Instant::now();
+        let mut w = watch();
+        for i in 0..30 {
+            let g = [part(0, 5, 3), part(1, i, 2)];
+            let at = t0 + SECOND * i as u32;
+            assert_eq!(w.look(&g, &held(&[0]), false, true, 0.0, at), Verdict::Wait);
+        }
     }
 }
