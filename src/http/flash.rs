@@ -330,22 +330,41 @@ impl QueuePlace {
     }
 
     /// How long a waiting client should wait before asking again: until the
-    /// start before the draw, then longer the further back it stands.
+    /// start before the draw; while the draw is being written, a little longer
+    /// the longer it has taken; then longer the further back it stands, since
+    /// the users ahead are admitted first and at most as many at once as there
+    /// are units. Never more than half a turn, so that a user admitted the moment
+    /// after asking still has half the turn to reserve.
     fn retry_after(&self, activity: &Activity, now: DateTime<Utc>, turn_secs: u64) -> Option<u64> {
-        let sold_out_retry = SOLD_OUT_RETRY_SECS.min(turn_secs / 2).max(1);
+        let most = SOLD_OUT_RETRY_SECS.min(turn_secs / 2).max(1);
         match self.state {
             "waiting" => {}
             // Not final while the sale is open: units may come back. Slowly,
             // but often enough that a turn given on a reopening is not missed.
-            "sold_out" if now < activity.ends_at => return Some(sold_out_retry),
+            "sold_out" if now < activity.ends_at => return Some(most),
             _ => return None,
         }
-        Some(match self.ahead {
-            None => (activity.starts_at - now).num_seconds().clamp(1, 30) as u64,
-            Some(a) if a < 100 => 1,
-            Some(a) if a < 1_000 => 2,
-            Some(_) => 5,
-        })
+        let secs = match self.ahead {
+            None if now < activity.starts_at => {
+                return Some((activity.starts_at - now).num_seconds().clamp(1, 30) as u64);
+            }
+            None => 1 + (now - activity.starts_at).num_seconds().max(0) as u64 / 4,
+            Some(a) => waiting_pace(a),
+        };
+        Some(secs.clamp(1, most))
+    }
+}
+
+/// Seconds between two polls of a user with `ahead` users before them: 1 near
+/// the front, one more second for every 2,000 users ahead past the first
+/// 10,000 (a million users in line, with turns of 60 s, ask about 37,000 times a
+/// second, not 200,000 as at a flat 5 s).
+fn waiting_pace(ahead: u64) -> u64 {
+    match ahead {
+        0..100 => 1,
+        100..1_000 => 2,
+        1_000..10_000 => 5,
+        _ => 5 + (ahead - 10_000) / 2_000,
     }
 }
 
@@ -543,5 +562,74 @@ pub async fn reservation(
             expires_at: None,
         })),
         None => Err(AppError::not_found("you hold no reservation for this sale")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn room(started: chrono::Duration) -> Activity {
+        let now = Utc::now();
+        Activity {
+            id: "a1".into(),
+            sku: "s1".into(),
+            stock: 10,
+            available: 10,
+            per_user_limit: 1,
+            stock_shards: 1,
+            admission: Admission::WaitingRoom,
+            waiting_room_secs: 600,
+            starts_at: now - started,
+            ends_at: now - started + chrono::Duration::hours(1),
+            payment_timeout_secs: 900,
+            paused: false,
+            auto_paused: false,
+            redis_epoch: 1,
+            redis_built_epoch: 1,
+            created_at: now,
+        }
+    }
+
+    fn waiting(ahead: Option<u64>) -> QueuePlace {
+        QueuePlace {
+            ticket: "t".into(),
+            state: "waiting",
+            position: ahead.map(|a| a + 1),
+            ahead,
+            admitted_until: None,
+        }
+    }
+
+    #[test]
+    fn once_the_sale_started_a_waiting_user_asks_again_within_half_a_turn() {
+        let now = Utc::now();
+        for turn in [2, 7, 60, 600] {
+            for started in [0, 3, 40, 4_000] {
+                let a = room(chrono::Duration::seconds(started));
+                for ahead in [None, Some(0), Some(500), Some(50_000), Some(5_000_000)] {
+                    let secs = waiting(ahead).retry_after(&a, now, turn);
+                    assert!(
+                        secs.is_some_and(|s| s >= 1 && s <= (turn / 2).clamp(1, 30)),
+                        "turn {turn}, started {started} s ago, ahead {ahead:?}: {secs:?}"
+                    );
+                }
+            }
+        }
+        // Before the start: until the start, at most 30 s.
+        let a = room(chrono::Duration::seconds(-100));
+        assert_eq!(waiting(None).retry_after(&a, now, 2), Some(30));
+    }
+
+    #[test]
+    fn the_pace_of_polls_slows_with_the_place_and_never_speeds_up() {
+        assert_eq!(waiting_pace(0), 1);
+        assert_eq!(waiting_pace(99), 1);
+        assert_eq!(waiting_pace(100), 2);
+        assert_eq!(waiting_pace(9_999), 5);
+        assert_eq!(waiting_pace(12_000), 6);
+        assert_eq!(waiting_pace(1_000_000), 500);
+        let paces: Vec<u64> = (0..200_000).step_by(97).map(waiting_pace).collect();
+        assert!(paces.windows(2).all(|w| w[0] <= w[1]));
     }
 }
