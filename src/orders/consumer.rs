@@ -19,6 +19,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message, OwnedMessage};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::time::Instant;
@@ -71,6 +72,9 @@ struct RebalanceReport {
     /// When the last assignment or revocation reached this consumer, and whether
     /// it was an assignment.
     last: std::sync::Mutex<Option<(Instant, bool)>>,
+    /// When this consumer first saw its connection to the broker fail, in the
+    /// last outage (see [`super::stall`]: the ghosts a restart leaves).
+    broker_lost: std::sync::Mutex<Option<Instant>>,
 }
 
 impl RebalanceReport {
@@ -85,16 +89,46 @@ impl RebalanceReport {
             None => false,
         }
     }
+}
 
-    /// The last rebalance gave this consumer its partitions less than `window`
-    /// ago (see [`super::stall`]: an orphan is judged sooner then).
-    fn fresh(&self, now: Instant, window: Duration) -> bool {
-        matches!(*self.last.lock().unwrap_or_else(|p| p.into_inner()),
-            Some((at, true)) if now.duration_since(at) < window)
+impl RebalanceReport {
+    /// When every member that heartbeated before the last outage this consumer
+    /// saw has been dropped by the coordinator: one session timeout after the
+    /// connection failed, and a margin.
+    fn ghosts_gone(&self, session: Duration, margin: Duration) -> Option<Instant> {
+        let lost = *self.broker_lost.lock().unwrap_or_else(|p| p.into_inner());
+        lost.map(|at| at + session + margin)
     }
 }
 
-impl ClientContext for RebalanceReport {}
+/// How long one outage's first failure is remembered: failures within it, and
+/// before the group is rebuilt, belong to the same outage.
+const OUTAGE_MEMORY: Duration = Duration::from_secs(30);
+
+impl ClientContext for RebalanceReport {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if matches!(
+            error.rdkafka_error_code(),
+            Some(RDKafkaErrorCode::AllBrokersDown | RDKafkaErrorCode::BrokerTransportFailure)
+        ) {
+            let now = Instant::now();
+            // A failure after the group was rebuilt (an assignment since the
+            // last outage began) or long after it begins a new outage.
+            let assigned = match *self.last.lock().unwrap_or_else(|p| p.into_inner()) {
+                Some((at, true)) => Some(at),
+                _ => None,
+            };
+            let mut lost = self.broker_lost.lock().unwrap_or_else(|p| p.into_inner());
+            if lost.is_none_or(|at| {
+                now.duration_since(at) > OUTAGE_MEMORY || assigned.is_some_and(|a| a > at)
+            }) {
+                *lost = Some(now);
+            }
+        }
+        // What the default does, through this service's logging.
+        tracing::error!(target: "librdkafka", "librdkafka: {error}: {reason}");
+    }
+}
 
 impl ConsumerContext for RebalanceReport {
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -321,7 +355,7 @@ impl OrderConsumer {
         };
         let group = self.consumer.context();
         let settling = group.settling(now, self.stall_check * 2, self.stall_patience);
-        let fresh = group.fresh(now, self.stall_patience);
+        let ghosts_gone = group.ghosts_gone(self.stall_patience, self.stall_check / 2);
         let held: std::collections::HashSet<i32> = match self.consumer.assignment() {
             Ok(list) => list
                 .elements_for_topic(&self.kafka.topic)
@@ -339,7 +373,7 @@ impl OrderConsumer {
             (uuid::Uuid::new_v4().as_u128() & ((1 << 53) - 1)) as f64 / (1u64 << 53) as f64;
         if watch
             .stall
-            .look(&view, &held, settling, fresh, jitter, read_at)
+            .look(&view, &held, settling, ghosts_gone, jitter, read_at)
             == Verdict::Rejoin
         {
             let waiting: i64 = view.iter().map(|p| p.lag).sum();

@@ -19,12 +19,19 @@
 //! and carries a jitter so that idle members of one fleet do not keep rejoining
 //! in step.
 //!
-//! Right after this consumer's group was reshaped (a rebalance, which is also how
-//! a restarted broker shows itself), an orphan is judged much sooner: every live
-//! member was handed its partitions in that rebalance, so a partition whose
-//! backlog still stands a moment after it ended was handed to a member that is
-//! gone. A broker that keeps departed members across its own restart does that,
-//! and a sale that lost Redis then waits for that backlog before it rebuilds.
+//! A broker restart makes such orphans itself. The broker used here (tansu 0.6)
+//! keeps the group on disk across its restart; a member that comes back under a
+//! new id leaves its old id behind, and the rebalance that follows hands that
+//! ghost partitions. The broker drops the ghost one session timeout after its
+//! last heartbeat, without a new generation, so its partitions stay with nobody
+//! until some member rejoins; a rejoin sooner than that hands them to the ghost
+//! again. The ghost's last heartbeat came before the broker went away, and so
+//! before this consumer saw the connection fail. Hence no rejoin until one
+//! session timeout (and a margin) after this consumer lost the broker, when
+//! every ghost is gone; then, once per outage and within one patience, a
+//! partition not held here whose backlog stood still for `quick` is rejoined
+//! over at once, instead of one whole patience after its messages began to
+//! wait. A sale that lost Redis waits for that backlog.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -51,8 +58,11 @@ pub enum Verdict {
 #[derive(Debug)]
 pub struct StallWatch {
     first_patience: Duration,
-    /// The first patience while the group is fresh (see `look`).
+    /// How long an orphan's backlog stands before the one rejoin after an outage.
     quick: Duration,
+    /// The outage (when every ghost of it is gone) already rejoined over, and
+    /// when: no ordinary rejoin comes sooner than one patience after it.
+    outage_done: Option<(Instant, Instant)>,
     patience: Duration,
     /// Readings further apart than this (the probe failed, or this consumer was
     /// busy) say nothing about the time between them: the clocks start again.
@@ -67,12 +77,13 @@ pub struct StallWatch {
 
 impl StallWatch {
     /// `patience`: how long a partition's backlog may stand still before the
-    /// first rejoin; `quick`: the same while the group is fresh (no longer than
-    /// `patience`); `gap`: see the field.
+    /// first rejoin; `quick`: the same for the one rejoin after an outage (no
+    /// longer than `patience`); `gap`: see the field.
     pub fn new(patience: Duration, quick: Duration, gap: Duration) -> Self {
         StallWatch {
             first_patience: patience,
             quick: quick.min(patience),
+            outage_done: None,
             patience,
             gap,
             still_since: HashMap::new(),
@@ -84,18 +95,20 @@ impl StallWatch {
     /// One look at a reading taken at `at`: the group's offsets per partition,
     /// the partitions this consumer holds, whether its group is settling (a
     /// rebalance under way, or ended a moment ago: it holds nothing yet, and
-    /// nobody is late), whether it is fresh (settled from a rebalance less than
-    /// one patience ago: a partition not held here, standing still for `quick`,
-    /// is orphaned), and `jitter` in [0, 1) that stretches the wait between two rejoins
-    /// by up to a quarter. The first rejoin comes after one patience exactly: a
-    /// healthy coordinator would have handed the partition out by then, and idle
-    /// members rejoining together make one rebalance, not several.
+    /// nobody is late), when the ghosts of the last broker outage this consumer
+    /// saw are gone (see the module), and `jitter` in [0, 1) that stretches the
+    /// wait between two rejoins by up to a quarter. The first rejoin comes after
+    /// one patience exactly: a healthy coordinator would have handed the
+    /// partition out by then, and idle members rejoining together make one
+    /// rebalance, not several. Around an outage: no rejoin while its ghosts may
+    /// be there; in the patience after they are gone, one rejoin over a backlog
+    /// that stood `quick`; no ordinary rejoin within a patience after that one.
     pub fn look(
         &mut self,
         group: &[PartitionOffsets],
         held: &HashSet<i32>,
         settling: bool,
-        fresh: bool,
+        ghosts_gone: Option<Instant>,
         jitter: f64,
         at: Instant,
     ) -> Verdict {
@@ -107,13 +120,9 @@ impl StallWatch {
         }
         self.last_reading = Some(at);
         let stretch = 1.0 + jitter.clamp(0.0, 1.0) / 4.0;
-        let judged_after = if fresh {
-            self.quick
-        } else {
-            self.first_patience
-        };
         let mut stuck = false;
         let mut orphaned = false;
+        let mut orphaned_a_while = false;
         for p in group {
             // A partition with nothing waiting is never late: its clock starts
             // when messages wait and nothing is committed.
@@ -126,9 +135,23 @@ impl StallWatch {
                 }
             };
             let standing = at.saturating_duration_since(since);
-            if p.lag > 0 && standing >= judged_after {
+            orphaned_a_while |= p.lag > 0 && standing >= self.quick && !held.contains(&p.partition);
+            if p.lag > 0 && standing >= self.first_patience {
                 stuck = true;
                 orphaned |= !held.contains(&p.partition);
+            }
+        }
+        // After a broker outage: until its ghosts are gone no rejoin helps (it
+        // would hand the partition to a ghost again); then, for one patience,
+        // one quick rejoin.
+        let mut ghosts_left = false;
+        if let Some(gone) = ghosts_gone {
+            let done = self.outage_done.is_some_and(|(g, _)| g == gone);
+            ghosts_left = at < gone;
+            let window = at >= gone && at < gone + self.first_patience;
+            if orphaned_a_while && !settling && window && !done {
+                self.outage_done = Some((gone, at));
+                return Verdict::Rejoin;
             }
         }
         if !stuck {
@@ -137,8 +160,10 @@ impl StallWatch {
         }
         let rested = self.last_rejoin.is_none_or(|last| {
             at.saturating_duration_since(last) >= self.patience.mul_f64(stretch)
-        });
-        if !orphaned || settling || !rested {
+        }) && self
+            .outage_done
+            .is_none_or(|(_, quick)| at.saturating_duration_since(quick) >= self.first_patience);
+        if !orphaned || settling || !rested || ghosts_left {
             return Verdict::Wait;
         }
         if self.last_rejoin.is_some() {
@@ -184,7 +209,7 @@ mod tests {
     ) -> Vec<u32> {
         (0..secs)
             .filter(|&i| {
-                w.look(g, &held(mine), false, false, 0.0, from + SECOND * i) == Verdict::Rejoin
+                w.look(g, &held(mine), false, None, 0.0, from + SECOND * i) == Verdict::Rejoin
             })
             .collect()
     }
@@ -205,13 +230,13 @@ mod tests {
             let g = [part(0, i, 1), part(1, i, 1), part(2, 7, 4)];
             let at = t0 + SECOND * i as u32;
             assert_eq!(
-                w.look(&g, &held(&[0, 1]), false, false, 0.0, at),
+                w.look(&g, &held(&[0, 1]), false, None, 0.0, at),
                 Verdict::Wait
             );
         }
         let g = [part(0, 6, 1), part(1, 6, 1), part(2, 7, 4)];
         assert_eq!(
-            w.look(&g, &held(&[0, 1]), false, false, 0.0, t0 + P),
+            w.look(&g, &held(&[0, 1]), false, None, 0.0, t0 + P),
             Verdict::Rejoin
         );
     }
@@ -230,7 +255,7 @@ mod tests {
         for i in 0..60 {
             let g = [part(0, i, 3)];
             let at = t0 + SECOND * i as u32;
-            assert_eq!(w.look(&g, &held(&[]), false, false, 0.0, at), Verdict::Wait);
+            assert_eq!(w.look(&g, &held(&[]), false, None, 0.0, at), Verdict::Wait);
         }
     }
 
@@ -284,7 +309,7 @@ mod tests {
         let mut w = watch();
         // The probe failed for 20 s (the broker was down) after one reading.
         assert_eq!(
-            w.look(&[part(0, 5, 3)], &held(&[]), false, false, 0.0, t0),
+            w.look(&[part(0, 5, 3)], &held(&[]), false, None, 0.0, t0),
             Verdict::Wait
         );
         let t = t0 + Duration::from_secs(20);
@@ -298,10 +323,10 @@ mod tests {
         let g = [part(0, 5, 3)];
         for i in 0..60 {
             let at = t0 + SECOND * i;
-            assert_eq!(w.look(&g, &held(&[]), true, false, 0.0, at), Verdict::Wait);
+            assert_eq!(w.look(&g, &held(&[]), true, None, 0.0, at), Verdict::Wait);
         }
         assert_eq!(
-            w.look(&g, &held(&[]), false, false, 0.0, t0 + SECOND * 60),
+            w.look(&g, &held(&[]), false, None, 0.0, t0 + SECOND * 60),
             Verdict::Rejoin
         );
     }
@@ -313,42 +338,116 @@ mod tests {
         let g = [part(0, 5, 3)];
         let rejoins: Vec<u32> = (0..15)
             .filter(|&i| {
-                w.look(&g, &held(&[]), false, false, 0.99, t0 + SECOND * i) == Verdict::Rejoin
+                w.look(&g, &held(&[]), false, None, 0.99, t0 + SECOND * i) == Verdict::Rejoin
             })
             .collect();
         // The first after one patience; the next after 6 s × 1.2475, not 6 s.
         assert_eq!(rejoins, vec![6, 14]);
     }
 
-    #[test]
-    fn a_fresh_group_judges_an_orphan_after_the_quick_patience() {
-        let t0 = Instant::now();
-        let mut w = watch();
-        // Settling for 2 s after the rebalance, then fresh: the backlog that
-        // stood through the rebalance is judged 2 s after it started, at once.
-        let g = [part(0, 5, 3), part(1, 8, 0)];
-        let mine = held(&[1]);
-        assert_eq!(w.look(&g, &mine, true, true, 0.0, t0), Verdict::Wait);
-        assert_eq!(
-            w.look(&g, &mine, true, true, 0.0, t0 + SECOND),
-            Verdict::Wait
-        );
-        assert_eq!(w.look(&g, &mine, false, true, 0.0, t0 + Q), Verdict::Rejoin);
-        // The next rejoin still waits one whole patience.
-        let later: Vec<u32> = (3..13)
-            .filter(|&i| w.look(&g, &mine, false, true, 0.0, t0 + SECOND * i) == Verdict::Rejoin)
-            .collect();
-        assert_eq!(later, vec![8]);
+    /// Looks every second from `from` for `secs` seconds, with the ghosts of an
+    /// outage gone at `gone`; returns the seconds at which it asked for a rejoin.
+    fn every_second_after_outage(
+        w: &mut StallWatch,
+        g: &[PartitionOffsets],
+        mine: &[i32],
+        gone: Instant,
+        from: Instant,
+        secs: u32,
+    ) -> Vec<u32> {
+        (0..secs)
+            .filter(|&i| {
+                let at = from + SECOND * i;
+                w.look(g, &held(mine), false, Some(gone), 0.0, at) == Verdict::Rejoin
+            })
+            .collect()
     }
 
     #[test]
-    fn a_fresh_group_never_rejoins_over_a_partition_it_holds_or_one_that_moves() {
+    fn after_an_outage_an_orphan_is_rejoined_over_once_its_ghosts_are_gone() {
+        let t0 = Instant::now();
+        let mut w = watch();
+        // Messages stand from 0 s on a partition held elsewhere; the ghosts go
+        // at 4 s: one rejoin then, not at 6 s; the next one patience later.
+        let g = [part(0, 5, 3), part(1, 0, 0)];
+        let rejoins = every_second_after_outage(&mut w, &g, &[1], t0 + SECOND * 4, t0, 20);
+        assert_eq!(rejoins, vec![4, 10, 16]);
+    }
+
+    #[test]
+    fn the_ghosts_gone_do_not_hurry_a_backlog_that_just_began() {
+        let t0 = Instant::now();
+        let mut w = watch();
+        // Ghosts gone at 0 s; messages stand from 0 s: the quick rejoin after 2 s.
+        let g = [part(0, 5, 3)];
+        let rejoins = every_second_after_outage(&mut w, &g, &[], t0, t0, 3);
+        assert_eq!(rejoins, vec![2]);
+    }
+
+    #[test]
+    fn an_outage_gives_no_rejoin_over_a_held_moving_or_empty_partition_or_a_settling_group() {
         let t0 = Instant::now();
         let mut w = watch();
         for i in 0..30 {
-            let g = [part(0, 5, 3), part(1, i, 2)];
+            let g = [part(0, 5, 3), part(1, i, 2), part(2, 9, 0)];
             let at = t0 + SECOND * i as u32;
-            assert_eq!(w.look(&g, &held(&[0]), false, true, 0.0, at), Verdict::Wait);
+            assert_eq!(
+                w.look(&g, &held(&[0]), false, Some(t0), 0.0, at),
+                Verdict::Wait
+            );
         }
+        let mut w = watch();
+        for i in 0..5 {
+            let at = t0 + SECOND * i;
+            assert_eq!(
+                w.look(&[part(0, 5, 3)], &held(&[]), true, Some(t0), 0.0, at),
+                Verdict::Wait
+            );
+        }
+    }
+
+    #[test]
+    fn a_second_outage_gives_one_more_quick_rejoin() {
+        let t0 = Instant::now();
+        let mut w = watch();
+        let g = [part(0, 5, 3)];
+        assert_eq!(
+            every_second_after_outage(&mut w, &g, &[], t0, t0, 4),
+            vec![2]
+        );
+        let t = t0 + SECOND * 4;
+        // The same outage again: nothing until the patience; a new one: at once.
+        assert!(every_second_after_outage(&mut w, &g, &[], t0, t, 1).is_empty());
+        assert_eq!(
+            every_second_after_outage(&mut w, &g, &[], t, t + SECOND, 1),
+            vec![0]
+        );
+    }
+
+    #[test]
+    fn no_rejoin_while_the_ghosts_of_an_outage_may_be_there() {
+        let t0 = Instant::now();
+        let mut w = watch();
+        // Messages stand from 0 s; the ghosts go at 8 s: the ordinary rejoin
+        // (6 s) would hand the partition back to a ghost, so it waits.
+        let g = [part(0, 5, 3)];
+        let gone = t0 + SECOND * 8;
+        assert_eq!(
+            every_second_after_outage(&mut w, &g, &[], gone, t0, 10),
+            vec![8]
+        );
+    }
+
+    #[test]
+    fn an_outage_long_past_leaves_the_ordinary_patience() {
+        let t0 = Instant::now();
+        let mut w = watch();
+        // The ghosts went at 0 s; a backlog begins at 10 s, past the window.
+        let g = [part(0, 5, 3)];
+        let t = t0 + SECOND * 10;
+        assert_eq!(
+            every_second_after_outage(&mut w, &g, &[], t0, t, 7),
+            vec![6]
+        );
     }
 }
