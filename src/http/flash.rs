@@ -332,9 +332,10 @@ impl QueuePlace {
     /// How long a waiting client should wait before asking again: until the
     /// start before the draw; while the draw is being written, a little longer
     /// the longer it has taken; then longer the further back it stands, since
-    /// the users ahead are admitted first and at most as many at once as there
-    /// are units. Never more than half a turn, so that a user admitted the moment
-    /// after asking still has half the turn to reserve.
+    /// the users ahead are admitted first. Never more than half a turn (1 s when
+    /// the turn is shorter than 2 s): a user admitted sooner than the pace
+    /// foresaw (a large top-up admits many at once) still has half the turn to
+    /// reserve, whatever this instance's clock says about the start.
     fn retry_after(&self, activity: &Activity, now: DateTime<Utc>, turn_secs: u64) -> Option<u64> {
         let most = SOLD_OUT_RETRY_SECS.min(turn_secs / 2).max(1);
         match self.state {
@@ -346,7 +347,7 @@ impl QueuePlace {
         }
         let secs = match self.ahead {
             None if now < activity.starts_at => {
-                return Some((activity.starts_at - now).num_seconds().clamp(1, 30) as u64);
+                (activity.starts_at - now).num_seconds().max(1) as u64
             }
             None => 1 + (now - activity.starts_at).num_seconds().max(0) as u64 / 4,
             Some(a) => waiting_pace(a),
@@ -602,23 +603,34 @@ mod tests {
     }
 
     #[test]
-    fn once_the_sale_started_a_waiting_user_asks_again_within_half_a_turn() {
-        let now = Utc::now();
-        for turn in [2, 7, 60, 600] {
-            for started in [0, 3, 40, 4_000] {
+    fn a_waiting_user_asks_again_within_half_a_turn() {
+        // (turn, the longest pace): half the turn, at least 1 s, at most 30 s.
+        for (turn, most) in [(1, 1), (2, 1), (7, 3), (60, 30), (600, 30)] {
+            // Before the start (100 s ahead), while the draw is written (1 s
+            // and 400 s after the start), and after it.
+            for started in [-100, 1, 400, 4_000] {
                 let a = room(chrono::Duration::seconds(started));
+                let now = Utc::now();
                 for ahead in [None, Some(0), Some(500), Some(50_000), Some(5_000_000)] {
                     let secs = waiting(ahead).retry_after(&a, now, turn);
                     assert!(
-                        secs.is_some_and(|s| s >= 1 && s <= (turn / 2).clamp(1, 30)),
+                        secs.is_some_and(|s| (1..=most).contains(&s)),
                         "turn {turn}, started {started} s ago, ahead {ahead:?}: {secs:?}"
                     );
                 }
             }
         }
-        // Before the start: until the start, at most 30 s.
+        // Far back with a long turn: the longest pace; near the front: 1 s; the
+        // draw just begun: 1 s.
+        let a = room(chrono::Duration::seconds(1));
+        let now = Utc::now();
+        assert_eq!(waiting(Some(5_000_000)).retry_after(&a, now, 60), Some(30));
+        assert_eq!(waiting(Some(0)).retry_after(&a, now, 60), Some(1));
+        assert_eq!(waiting(None).retry_after(&a, now, 60), Some(1));
+        // 100 s before the start: at the start, but at most 30 s.
         let a = room(chrono::Duration::seconds(-100));
-        assert_eq!(waiting(None).retry_after(&a, now, 2), Some(30));
+        assert_eq!(waiting(None).retry_after(&a, Utc::now(), 600), Some(30));
+        assert_eq!(waiting(None).retry_after(&a, Utc::now(), 2), Some(1));
     }
 
     #[test]
