@@ -10,6 +10,8 @@ use serde_json::Value;
 use crate::ceiling::{BrokerCeiling, RedisCeiling};
 use crate::loadgen::LoadReport;
 use crate::machine::{CpuWindow, Machine};
+use crate::mega::crowd::CrowdRun;
+use crate::mega::scale::ScalePlan;
 use crate::options::SuiteOptions;
 use crate::server::StrategyKind;
 use crate::side::SideStats;
@@ -89,7 +91,7 @@ pub struct Summary {
     pub failover: Option<FailoverSection>,
     /// The mega-sale (`--mega`; `None`: not run).
     #[serde(default)]
-    pub mega: Option<crate::mega::MegaSection>,
+    pub mega: Option<MegaSection>,
 }
 
 impl Summary {
@@ -334,4 +336,181 @@ pub struct FailoverSection {
     pub invariants: ServerCheck,
     /// Seconds after the last answer until the sale was quiet.
     pub drain_s: Option<f64>,
+}
+
+// The mega-sale section's figures (`crate::mega` measures them).
+
+/// The flood's compared phases with one configuration.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct EnvFlood {
+    /// `production` or `test`.
+    pub env: String,
+    pub runs: Vec<FloodRun>,
+    /// Bytes the service wrote to its log meanwhile.
+    pub log_bytes: u64,
+}
+
+impl EnvFlood {
+    pub fn run(&self, phase: &str) -> Option<&FloodRun> {
+        self.runs.iter().find(|r| r.phase == phase)
+    }
+}
+
+/// One slice of a sale's timeline: what the requests in it cost.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PhaseCost {
+    pub name: String,
+    /// Seconds from the crowd's start (sample bounds around the phase).
+    pub from_s: f64,
+    pub to_s: f64,
+    /// Requests answered in it, by [`crate::mega::crowd::KINDS`], and the `202`s.
+    pub by_kind: Vec<u64>,
+    pub requests: u64,
+    pub accepted: u64,
+    pub rps: f64,
+    pub service_cpu_s: Option<f64>,
+    pub redis_commands: Option<u64>,
+    pub redis_script_calls: Option<u64>,
+    pub redis_cpu_s: Option<f64>,
+}
+
+impl PhaseCost {
+    pub fn seconds(&self) -> f64 {
+        self.to_s - self.from_s
+    }
+
+    fn per(&self, x: Option<f64>, n: u64) -> Option<f64> {
+        x.filter(|_| n > 0).map(|x| x / n as f64)
+    }
+
+    pub fn cpu_us_per_request(&self) -> Option<f64> {
+        self.per(self.service_cpu_s.map(|s| s * 1e6), self.requests)
+    }
+
+    pub fn redis_commands_per_request(&self) -> Option<f64> {
+        self.per(self.redis_commands.map(|c| c as f64), self.requests)
+    }
+
+    pub fn script_calls_per_request(&self) -> Option<f64> {
+        self.per(self.redis_script_calls.map(|c| c as f64), self.requests)
+    }
+
+    pub fn redis_commands_per_accept(&self) -> Option<f64> {
+        self.per(self.redis_commands.map(|c| c as f64), self.accepted)
+    }
+
+    pub fn redis_cpu_us_per_accept(&self) -> Option<f64> {
+        self.per(self.redis_cpu_s.map(|s| s * 1e6), self.accepted)
+    }
+}
+
+/// Memory of a sale's keys in Redis.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct KeysMemory {
+    pub keys: u64,
+    pub bytes: u64,
+}
+
+/// One sale of the section.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct MegaVariant {
+    /// `open` or `waiting room`.
+    pub admission: String,
+    pub stock_shards: u8,
+    pub activity_id: String,
+    pub units: u32,
+    /// Waiting room: the join rate measured on a room of its own before the
+    /// sale, and the seconds from the sale's creation to its start set from it.
+    pub calibrated_joins_per_s: Option<f64>,
+    pub lead_s: Option<f64>,
+    pub crowd: CrowdRun,
+    /// Seconds from the crowd's start until MySQL held every order, and the
+    /// orders it then held.
+    pub orders_done_s: Option<f64>,
+    pub orders: i64,
+    /// The sale's keys in Redis: after the joins, when the crowd ended, once quiet.
+    pub redis_after_joins: Option<KeysMemory>,
+    pub redis_at_end: KeysMemory,
+    pub redis_after_drain: KeysMemory,
+    /// The service's resident memory at its start and its peak (`VmHWM`).
+    pub rss_at_start_kib: Option<u64>,
+    pub peak_rss_kib: Option<u64>,
+    /// Bytes the service logged in the whole sale.
+    pub log_bytes: u64,
+    pub phases: Vec<PhaseCost>,
+    pub check: ServerCheck,
+}
+
+impl MegaVariant {
+    /// When selling began, in seconds from the crowd's start.
+    pub fn sale_start_s(&self) -> f64 {
+        self.crowd.starts_s.unwrap_or(0.0)
+    }
+
+    pub fn sold_out_after_s(&self) -> Option<f64> {
+        self.crowd.last_accept_s.map(|t| t - self.sale_start_s())
+    }
+
+    pub fn orders_in_mysql_after_s(&self) -> Option<f64> {
+        self.orders_done_s.map(|t| t - self.sale_start_s())
+    }
+
+    pub fn everyone_knew_after_s(&self) -> Option<f64> {
+        (self.crowd.known as usize == self.crowd.users)
+            .then_some(self.crowd.last_known_s)
+            .flatten()
+            .map(|t| t - self.sale_start_s())
+    }
+
+    pub fn draw_s(&self) -> Option<f64> {
+        self.crowd
+            .draw_seen_s
+            .zip(self.crowd.starts_s)
+            .map(|(d, s)| d - s)
+    }
+
+    pub fn joins_per_s(&self) -> Option<f64> {
+        self.crowd
+            .joins_ended_s
+            .map(|t| self.crowd.joined as f64 / t.max(1e-9))
+    }
+
+    pub fn answers_5xx(&self) -> u64 {
+        self.crowd
+            .samples
+            .last()
+            .and_then(|s| s.answers.get(6).copied())
+            .unwrap_or(0)
+    }
+
+    pub fn phase(&self, name: &str) -> Option<&PhaseCost> {
+        self.phases.iter().find(|p| p.name == name)
+    }
+}
+
+/// The whole section.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct MegaSection {
+    pub users: usize,
+    pub units: u32,
+    pub clicks: u32,
+    pub connections: usize,
+    /// The configuration environment of the sales' servers.
+    pub env: String,
+    /// Tokens: signing time and the bytes the generator holds for them.
+    pub tokens_signed_in_s: f64,
+    pub token_bytes: u64,
+    /// The flood's compared phases with the deployed and the quiet configuration.
+    pub envs: Vec<EnvFlood>,
+    pub variants: Vec<MegaVariant>,
+    pub scale: Vec<ScalePlan>,
+    /// Names of the timeline's answer classes and request kinds.
+    pub classes: Vec<String>,
+    pub kinds: Vec<String>,
+}
+
+impl MegaSection {
+    pub fn env(&self, env: &str) -> Option<&EnvFlood> {
+        self.envs.iter().find(|e| e.env == env)
+    }
 }

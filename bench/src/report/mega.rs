@@ -5,8 +5,9 @@
 use std::fmt::Write as _;
 
 use super::format::{ms, thousands};
-use crate::mega::{MegaSection, MegaVariant, PhaseCost, DEPLOYED_ENV, QUIET_ENV};
+use crate::mega::{DEPLOYED_ENV, QUIET_ENV};
 use crate::model::Summary;
+use crate::model::{MegaSection, MegaVariant, PhaseCost};
 
 fn secs(x: Option<f64>) -> String {
     x.map_or("–".into(), |s| format!("{s:.2} s"))
