@@ -67,17 +67,41 @@ pub fn parse(payload: Option<&[u8]>) -> Result<Incoming, String> {
 
 /// Reports the partitions this consumer holds after each rebalance, as the gauge
 /// `consumer_assigned_partitions` and in the logs.
-#[derive(Default)]
 struct RebalanceReport {
     /// When the last assignment or revocation reached this consumer, and whether
     /// it was an assignment.
     last: std::sync::Mutex<Option<(Instant, bool)>>,
-    /// When this consumer first saw its connection to the broker fail, in the
-    /// last outage (see [`super::stall`]: the ghosts a restart leaves).
+    /// When this consumer first saw every broker down, in the last outage (see
+    /// [`super::stall`]: the ghosts a restart leaves).
     broker_lost: std::sync::Mutex<Option<Instant>>,
+    /// How long an outage's first failure is remembered (see [`begins_outage`]).
+    outage_memory: Duration,
+}
+
+/// Whether every broker found down `now` begins a new outage: the first one, one
+/// after the group was rebuilt (an assignment since the last outage began), or
+/// one longer than `memory` after it began. Failures in between belong to the
+/// same outage, whose ghosts are timed from its first failure.
+fn begins_outage(
+    lost: Option<Instant>,
+    assigned: Option<Instant>,
+    now: Instant,
+    memory: Duration,
+) -> bool {
+    lost.is_none_or(|at| now.duration_since(at) > memory || assigned.is_some_and(|a| a > at))
 }
 
 impl RebalanceReport {
+    /// `outage_memory`: longer than a session timeout, so that failures repeated
+    /// through one outage never move its start past the ghosts' expiry.
+    fn new(outage_memory: Duration) -> Self {
+        RebalanceReport {
+            last: std::sync::Mutex::new(None),
+            broker_lost: std::sync::Mutex::new(None),
+            outage_memory,
+        }
+    }
+
     /// A rebalance is under way (revoked, not yet assigned again, for less than
     /// `patience`) or has just ended (assigned less than `just` ago): this
     /// consumer's assignment says nothing yet.
@@ -101,27 +125,17 @@ impl RebalanceReport {
     }
 }
 
-/// How long one outage's first failure is remembered: failures within it, and
-/// before the group is rebuilt, belong to the same outage.
-const OUTAGE_MEMORY: Duration = Duration::from_secs(30);
-
 impl ClientContext for RebalanceReport {
     fn error(&self, error: KafkaError, reason: &str) {
-        if matches!(
-            error.rdkafka_error_code(),
-            Some(RDKafkaErrorCode::AllBrokersDown | RDKafkaErrorCode::BrokerTransportFailure)
-        ) {
+        // Every broker down: an outage (one connection failing is not one).
+        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown) {
             let now = Instant::now();
-            // A failure after the group was rebuilt (an assignment since the
-            // last outage began) or long after it begins a new outage.
             let assigned = match *self.last.lock().unwrap_or_else(|p| p.into_inner()) {
                 Some((at, true)) => Some(at),
                 _ => None,
             };
             let mut lost = self.broker_lost.lock().unwrap_or_else(|p| p.into_inner());
-            if lost.is_none_or(|at| {
-                now.duration_since(at) > OUTAGE_MEMORY || assigned.is_some_and(|a| a > at)
-            }) {
+            if begins_outage(*lost, assigned, now, self.outage_memory) {
                 *lost = Some(now);
             }
         }
@@ -203,7 +217,9 @@ impl OrderConsumer {
                 settings.consumer.heartbeat_interval_ms.to_string(),
             )
             .set("socket.connection.setup.timeout.ms", "2000")
-            .create_with_context(RebalanceReport::default())
+            .create_with_context(RebalanceReport::new(
+                Duration::from_millis(settings.consumer.session_timeout_ms) * 4,
+            ))
             .context("failed to create the Kafka consumer")?;
         consumer
             .subscribe(&[&settings.kafka.topic])
@@ -548,5 +564,30 @@ fn order_write_spans(sources: &[&OwnedMessage], incoming: &[Incoming]) -> Vec<Sp
 fn end_order_writes(spans: Vec<Span>, decisions: &[Decision]) {
     for (span, decision) in spans.into_iter().zip(decisions) {
         span.record("decision", tracing::field::debug(decision));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_outage_begins_with_its_first_failure_and_again_once_the_group_was_rebuilt() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let memory = s * 24;
+        assert!(begins_outage(None, None, t0, memory));
+        // Failures repeated through the outage keep its start.
+        assert!(!begins_outage(Some(t0), None, t0 + s * 5, memory));
+        assert!(!begins_outage(Some(t0 + s), Some(t0), t0 + s * 5, memory));
+        // The group was rebuilt since it began: the next failure is a new one.
+        assert!(begins_outage(
+            Some(t0),
+            Some(t0 + s * 3),
+            t0 + s * 5,
+            memory
+        ));
+        // Long after it began: a new one.
+        assert!(begins_outage(Some(t0), None, t0 + s * 25, memory));
     }
 }
