@@ -80,6 +80,32 @@ pub enum Window {
     Ended,
 }
 
+#[cfg(test)]
+impl Activity {
+    /// For unit tests: a sale of 10 units through a waiting room, from
+    /// `starts_at` for an hour, loaded into Redis.
+    pub fn room_for_tests(starts_at: DateTime<Utc>) -> Activity {
+        Activity {
+            id: "a1".into(),
+            sku: "s1".into(),
+            stock: 10,
+            available: 10,
+            per_user_limit: 1,
+            stock_shards: 1,
+            admission: Admission::WaitingRoom,
+            waiting_room_secs: 600,
+            starts_at,
+            ends_at: starts_at + chrono::Duration::hours(1),
+            payment_timeout_secs: 900,
+            paused: false,
+            auto_paused: false,
+            redis_epoch: 1,
+            redis_built_epoch: 1,
+            created_at: Utc::now(),
+        }
+    }
+}
+
 impl Activity {
     /// When users may start joining the waiting room.
     pub fn joins_from(&self) -> DateTime<Utc> {

@@ -571,25 +571,7 @@ mod tests {
     use super::*;
 
     fn room(started: chrono::Duration) -> Activity {
-        let now = Utc::now();
-        Activity {
-            id: "a1".into(),
-            sku: "s1".into(),
-            stock: 10,
-            available: 10,
-            per_user_limit: 1,
-            stock_shards: 1,
-            admission: Admission::WaitingRoom,
-            waiting_room_secs: 600,
-            starts_at: now - started,
-            ends_at: now - started + chrono::Duration::hours(1),
-            payment_timeout_secs: 900,
-            paused: false,
-            auto_paused: false,
-            redis_epoch: 1,
-            redis_built_epoch: 1,
-            created_at: now,
-        }
+        Activity::room_for_tests(Utc::now() - started)
     }
 
     fn waiting(ahead: Option<u64>) -> QueuePlace {
