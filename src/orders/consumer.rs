@@ -217,6 +217,9 @@ impl OrderConsumer {
                 settings.consumer.heartbeat_interval_ms.to_string(),
             )
             .set("socket.connection.setup.timeout.ms", "2000")
+            // After a broker restart, reach the coordinator again within a
+            // second: the default backoff (up to 10 s) let the session run out.
+            .set("reconnect.backoff.max.ms", "1000")
             .create_with_context(RebalanceReport::new(
                 Duration::from_millis(settings.consumer.session_timeout_ms) * 4,
             ))
