@@ -233,6 +233,9 @@ fn answers(md: &mut String, m: &MegaSection) {
     let _ = writeln!(md);
 }
 
+/// Below this many requests a second a phase's cost is its background work.
+const PER_REQUEST_MIN_RPS: f64 = 100.0;
+
 fn phases(md: &mut String, m: &MegaSection) {
     let noop = m
         .env(DEPLOYED_ENV)
@@ -242,8 +245,11 @@ fn phases(md: &mut String, m: &MegaSection) {
         md,
         "CPU and Redis per request, by phase (the service process's CPU, user + system; Redis's \
          `total_commands_processed`, script calls and CPU from `INFO`, sampled every 250 ms; the \
-         floor is the authenticated no-op{}):\n",
-        noop.map_or(String::new(), |n| format!(", {n:.1} µs a request"))
+         floor is the authenticated no-op{}; a phase with fewer than {} requests a second shows no \
+         figure per request: there the process spends its time on background work, not on \
+         requests):\n",
+        noop.map_or(String::new(), |n| format!(", {n:.1} µs a request")),
+        PER_REQUEST_MIN_RPS
     );
     let _ = writeln!(
         md,
@@ -253,7 +259,8 @@ fn phases(md: &mut String, m: &MegaSection) {
     let _ = writeln!(md, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for v in &m.variants {
         for p in &v.phases {
-            let cpu = p.cpu_us_per_request();
+            let busy = p.rps >= PER_REQUEST_MIN_RPS;
+            let cpu = p.cpu_us_per_request().filter(|_| busy);
             let _ = writeln!(
                 md,
                 "| {} | {} | {:.2} | {} ({}) | {} | {} | {} | {} | {} | {} |",
@@ -269,8 +276,8 @@ fn phases(md: &mut String, m: &MegaSection) {
                 thousands(p.rps),
                 opt(cpu, 1),
                 opt(cpu.zip(noop).map(|(c, n)| c / n), 2),
-                opt(p.redis_commands_per_request(), 2),
-                opt(p.script_calls_per_request(), 3),
+                opt(p.redis_commands_per_request().filter(|_| busy), 2),
+                opt(p.script_calls_per_request().filter(|_| busy), 3),
                 thousands(p.accepted as f64),
             );
         }
