@@ -113,9 +113,7 @@ impl RebalanceReport {
             None => false,
         }
     }
-}
 
-impl RebalanceReport {
     /// When every member that heartbeated before the last outage this consumer
     /// saw has been dropped by the coordinator: one session timeout after the
     /// connection failed, and a margin.

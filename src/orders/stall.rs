@@ -207,11 +207,7 @@ mod tests {
         from: Instant,
         secs: u32,
     ) -> Vec<u32> {
-        (0..secs)
-            .filter(|&i| {
-                w.look(g, &held(mine), false, None, 0.0, from + SECOND * i) == Verdict::Rejoin
-            })
-            .collect()
+        looks_every_second(w, g, mine, None, from, secs)
     }
 
     #[test]
@@ -345,8 +341,7 @@ mod tests {
         assert_eq!(rejoins, vec![6, 14]);
     }
 
-    /// Looks every second from `from` for `secs` seconds, with the ghosts of an
-    /// outage gone at `gone`; returns the seconds at which it asked for a rejoin.
+    /// The same, with the ghosts of an outage gone at `gone`.
     fn every_second_after_outage(
         w: &mut StallWatch,
         g: &[PartitionOffsets],
@@ -355,10 +350,21 @@ mod tests {
         from: Instant,
         secs: u32,
     ) -> Vec<u32> {
+        looks_every_second(w, g, mine, Some(gone), from, secs)
+    }
+
+    fn looks_every_second(
+        w: &mut StallWatch,
+        g: &[PartitionOffsets],
+        mine: &[i32],
+        ghosts_gone: Option<Instant>,
+        from: Instant,
+        secs: u32,
+    ) -> Vec<u32> {
         (0..secs)
             .filter(|&i| {
                 let at = from + SECOND * i;
-                w.look(g, &held(mine), false, Some(gone), 0.0, at) == Verdict::Rejoin
+                w.look(g, &held(mine), false, ghosts_gone, 0.0, at) == Verdict::Rejoin
             })
             .collect()
     }
