@@ -140,6 +140,7 @@ impl Services {
             stock.clone(),
             settings.kafka.clone(),
             Duration::from_secs(settings.reconcile.pending_deadline_secs),
+            Duration::from_secs(settings.redis.retain_after_end_secs),
         );
         Ok(Services {
             pool,

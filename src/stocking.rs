@@ -18,10 +18,14 @@ pub enum Preload {
     Built(Build),
     /// Loaded, open and not paused: reservations keep arriving.
     Open,
-    /// The order consumers are still draining the topic, and why.
+    /// Not safe yet (the sale's messages in the topic could not be read or
+    /// written as orders), and why.
     Draining(String),
     /// The sale reopened while it was being preloaded.
     Reopened,
+    /// The sale ended longer ago than `redis.retain_after_end_secs`: its Redis
+    /// state was removed, or is about to be, and it is never loaded again.
+    Removed,
 }
 
 /// Why a preload could not be tried or finished.
@@ -68,6 +72,13 @@ impl Stocking {
     /// loaded one is refused while it is open and not paused.
     pub async fn preload(&self, activity: &Activity) -> Result<Preload, PreloadError> {
         let id = &activity.id;
+        let retained = chrono::Duration::from_std(self.reconciler.retain_after_end)
+            .ok()
+            .and_then(|retain| activity.ends_at.checked_add_signed(retain))
+            .is_none_or(|until| Utc::now() < until);
+        if activity.redis_removed_at.is_some() || !retained {
+            return Ok(Preload::Removed);
+        }
         let live = self.stock.snapshot(id, activity.stock_shards).await?;
         let loaded = live.loaded();
         let paused = activity.paused || live.state.as_deref() == Some("paused");
@@ -77,20 +88,18 @@ impl Stocking {
         // Only an activity that was loaded before can have messages in the topic.
         // If Redis lost it (whole or some shards), publishes still on their way are
         // waited out first, as the automatic rebuild does: their reservations are
-        // gone with the state, and only MySQL will know them. Over a loaded (paused)
+        // gone with the state, and only the topic will hold them, which the
+        // rebuild writes as orders before it reads MySQL. Over a loaded (paused)
         // state no wait is needed: the rebuild withdraws every reservation not yet
         // acknowledged before it reads MySQL, so a late acknowledgement finds it
         // withdrawn and its message makes no order.
-        let lag = if activity.redis_epoch == 0 {
-            Some(0)
-        } else if loaded {
-            self.reconciler.measure_lag().await
-        } else {
-            self.reconciler.lag_once_published(id).await
-        };
+        if activity.redis_epoch > 0 && !loaded {
+            self.reconciler.wait_published(id).await;
+        }
+        let mut report = crate::reconcile::Report::default();
         let rebuilt = self
             .reconciler
-            .rebuild(activity, PreloadMode::Force, lag)
+            .rebuild(activity, PreloadMode::Force, &mut report)
             .await
             .map_err(PreloadError::Rebuild)?;
         Ok(match rebuilt {

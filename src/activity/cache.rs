@@ -15,6 +15,9 @@ use tokio_util::sync::CancellationToken;
 use super::definition::{Activity, Window};
 use super::repo::ActivityRepo;
 
+/// How long after its end the reconciler and the waiting room's loop keep
+/// looking at a sale.
+pub const LOOKED_AFTER: chrono::Duration = chrono::Duration::hours(1);
 /// How long an ended activity stays visible (to answer `ended` rather than 404).
 const KEEP_ENDED: chrono::Duration = chrono::Duration::days(7);
 /// How often the cache is read again while a current activity is paused
@@ -81,19 +84,22 @@ impl ActivityCache {
         list.last().cloned()
     }
 
-    /// Activities the reconciler looks after: started, and not ended for more than
-    /// an hour (late messages and payments still move their figures).
+    /// Activities the reconciler looks after: started, not ended for more than
+    /// `LOOKED_AFTER` (late messages and payments still move their figures), and
+    /// whose Redis state was not removed.
     pub fn current_activities(&self, now: DateTime<Utc>) -> Vec<Arc<Activity>> {
         self.current()
             .by_id
             .values()
-            .filter(|a| a.starts_at <= now && a.ends_at + chrono::Duration::hours(1) > now)
+            .filter(|a| {
+                a.starts_at <= now && a.ends_at + LOOKED_AFTER > now && a.redis_removed_at.is_none()
+            })
             .cloned()
             .collect()
     }
 
     /// Activities with a waiting room that is open to joiners, or whose sale has
-    /// not ended for more than an hour.
+    /// not ended for more than `LOOKED_AFTER`.
     pub fn waiting_rooms(&self, now: DateTime<Utc>) -> Vec<Arc<Activity>> {
         self.current()
             .by_id
@@ -101,7 +107,8 @@ impl ActivityCache {
             .filter(|a| {
                 a.admission == super::definition::Admission::WaitingRoom
                     && a.joins_from() <= now
-                    && a.ends_at + chrono::Duration::hours(1) > now
+                    && a.ends_at + LOOKED_AFTER > now
+                    && a.redis_removed_at.is_none()
             })
             .cloned()
             .collect()

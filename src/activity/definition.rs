@@ -37,6 +37,10 @@ pub struct Activity {
     /// one went back in time.
     #[serde(skip)]
     pub redis_built_epoch: u32,
+    /// When its Redis state was removed after the sale ended
+    /// (`redis.retain_after_end_secs`); it is never loaded again.
+    #[serde(skip)]
+    pub redis_removed_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
 }
 
@@ -101,6 +105,7 @@ impl Activity {
             auto_paused: false,
             redis_epoch: 1,
             redis_built_epoch: 1,
+            redis_removed_at: None,
             created_at: Utc::now(),
         }
     }

@@ -5,7 +5,7 @@ mod cache;
 mod definition;
 mod repo;
 
-pub use cache::ActivityCache;
+pub use cache::{ActivityCache, LOOKED_AFTER};
 pub use definition::{
     Activity, Admission, Build, NewActivity, ValidActivity, Window, MAX_PAYMENT_TIMEOUT_SECS,
     MAX_STOCK, MAX_STOCK_SHARDS, MAX_WAITING_ROOM_SECS,

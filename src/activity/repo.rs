@@ -12,7 +12,7 @@ use super::definition::{Activity, Build, ValidActivity};
 const COLUMNS: &str = "id, sku, stock, available, per_user_limit, stock_shards, \
                        CAST(admission AS CHAR) AS admission, \
                        waiting_room_secs, starts_at, ends_at, payment_timeout_secs, paused, \
-                       auto_paused, redis_epoch, redis_built_epoch, created_at";
+                       auto_paused, redis_epoch, redis_built_epoch, redis_removed_at, created_at";
 
 /// Why a top-up was refused.
 #[derive(Debug, thiserror::Error)]
@@ -129,6 +129,36 @@ impl ActivityRepo {
         .bind(since.naive_utc())
         .fetch_all(&self.pool)
         .await
+    }
+
+    /// Activities that ended before `ended_before` and whose Redis state may
+    /// still be there, the longest ended first, at most `limit`. Reads only the
+    /// rows not yet removed (`idx_activities_retention`), however many sales
+    /// were ever held.
+    pub async fn due_for_removal(
+        &self,
+        ended_before: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<Vec<Activity>, sqlx::Error> {
+        sqlx::query_as(&format!(
+            "SELECT {COLUMNS} FROM activities \
+             WHERE redis_removed_at IS NULL AND ends_at < ? ORDER BY ends_at LIMIT ?"
+        ))
+        .bind(ended_before.naive_utc())
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+    }
+
+    /// Records that the activity's Redis state was removed for good (once).
+    pub async fn mark_removed(&self, id: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "UPDATE activities SET redis_removed_at = NOW(3) WHERE id = ? AND redis_removed_at IS NULL",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     /// The newest activities first, at most `limit`.

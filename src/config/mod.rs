@@ -111,6 +111,14 @@ pub struct RedisSettings {
     pub min_replicas_acked: u32,
     /// How long a reservation waits for those replicas before it is withdrawn.
     pub replica_ack_timeout_ms: u64,
+    /// How long after its `ends_at` a sale's Redis state is removed; everything
+    /// about the sale is then answered from MySQL.
+    #[serde(default = "default_retain_after_end_secs")]
+    pub retain_after_end_secs: u64,
+}
+
+fn default_retain_after_end_secs() -> u64 {
+    86_400
 }
 
 #[derive(Debug, Clone, Deserialize)]

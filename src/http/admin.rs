@@ -87,8 +87,8 @@ pub struct Preloaded {
         (status = 200, description = "Redis rebuilt from MySQL", body = Preloaded),
         (status = 401, description = "unauthorized", body = crate::error::ErrorBody),
         (status = 404, description = "not_found", body = crate::error::ErrorBody),
-        (status = 409, description = "conflict: loaded, open and not paused", body = crate::error::ErrorBody),
-        (status = 503, description = "unavailable: the consumers are draining the queue, or Redis or MySQL is unreachable", body = crate::error::ErrorBody),
+        (status = 409, description = "conflict: loaded, open and not paused; or ended longer ago than its retention (its Redis state was removed)", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable: the sale's messages still in the topic could not be written as orders yet, or Redis or MySQL is unreachable", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /admin/activities/{id}/preload`: (re)builds the Redis state from MySQL,
@@ -119,8 +119,13 @@ pub async fn preload(
         }
         Preload::Draining(_) => {
             return Err(AppError::Unavailable(
-                "the order consumers are still draining the queue; retry shortly",
+                "the sale's messages still in the topic are not all orders yet (the broker or MySQL did not answer); retry shortly",
             ));
+        }
+        Preload::Removed => {
+            return Err(AppError::Conflict(
+                "the sale ended longer ago than its retention (redis.retain_after_end_secs): its Redis state was removed and is never loaded again".into(),
+            ))
         }
         Preload::Reopened => {
             return Err(AppError::Conflict(
@@ -310,6 +315,7 @@ async fn describe(state: &AppState, activity: &Activity) -> AppResult<Value> {
         .map_err(|e| AppError::Internal(anyhow::Error::new(e).context("serialising activity")))?;
     if let Value::Object(map) = &mut out {
         map.insert("live".into(), live);
+        map.insert("redis_removed_at".into(), json!(activity.redis_removed_at));
         map.insert("orders_by_status".into(), json!(orders));
     }
     Ok(out)

@@ -355,28 +355,78 @@ impl LagProbe {
     }
 
     fn read(&self, timeout: Duration) -> anyhow::Result<i64> {
-        let client = {
-            let mut slot = self.client.lock().unwrap_or_else(|e| e.into_inner());
-            match &*slot {
-                Some(client) => Arc::clone(client),
-                None => {
-                    let client = Arc::new(GroupProbe::new(&self.settings)?);
-                    *slot = Some(Arc::clone(&client));
-                    client
-                }
-            }
-        };
-        match client.read(timeout) {
-            Ok(partitions) => Ok(partitions.iter().map(|p| p.lag).sum()),
-            Err(err) => {
-                let mut slot = self.client.lock().unwrap_or_else(|e| e.into_inner());
-                if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, &client)) {
-                    *slot = None;
-                }
-                Err(err)
+        let client = self.client()?;
+        let read = client.read(timeout);
+        self.drop_if_failed(&client, &read);
+        Ok(read?.iter().map(|p| p.lag).sum())
+    }
+
+    /// The client, made now if there is none.
+    fn client(&self) -> anyhow::Result<Arc<GroupProbe>> {
+        let mut slot = self.client.lock().unwrap_or_else(|e| e.into_inner());
+        match &*slot {
+            Some(client) => Ok(Arc::clone(client)),
+            None => {
+                let client = Arc::new(GroupProbe::new(&self.settings)?);
+                *slot = Some(Arc::clone(&client));
+                Ok(client)
             }
         }
     }
+
+    /// A failed reading drops the client: the next one starts afresh.
+    fn drop_if_failed<T>(&self, client: &Arc<GroupProbe>, read: &anyhow::Result<T>) {
+        if read.is_err() {
+            let mut slot = self.client.lock().unwrap_or_else(|e| e.into_inner());
+            if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, client)) {
+                *slot = None;
+            }
+        }
+    }
+
+    /// One sale's messages still in the topic: published (below each
+    /// partition's end offset, read now) and not yet committed by the order
+    /// consumers' group, as raw payloads. Every other sale's messages in that
+    /// range are read and skipped. `timeout` bounds each request to the broker,
+    /// and the whole read.
+    pub async fn in_flight(
+        &self,
+        activity_id: &str,
+        timeout: Duration,
+    ) -> anyhow::Result<InFlight> {
+        let this = self.clone();
+        let activity_id = activity_id.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let client = this.client()?;
+            let read = client.in_flight(&activity_id, timeout);
+            this.drop_if_failed(&client, &read);
+            read
+        })
+        .await
+        .context("in-flight read task failed")?
+    }
+}
+
+/// What [`LagProbe::in_flight`] found.
+#[derive(Debug, Default)]
+pub struct InFlight {
+    /// Every message not yet committed, all sales together.
+    pub lag: i64,
+    /// How many of them were read before the sale's own were known.
+    pub read: i64,
+    /// The sale's own (payloads that name it; those that cannot be decoded are
+    /// the consumers' to dead-letter).
+    pub payloads: Vec<Vec<u8>>,
+}
+
+/// Whether a payload is a reservation message of `activity_id`.
+pub fn names_activity(payload: &[u8], activity_id: &str) -> bool {
+    #[derive(Deserialize)]
+    struct Head<'a> {
+        #[serde(borrow)]
+        activity_id: std::borrow::Cow<'a, str>,
+    }
+    serde_json::from_slice::<Head<'_>>(payload).is_ok_and(|h| h.activity_id == activity_id)
 }
 
 /// Where the order consumers' group stands on one partition of the reservation
@@ -391,10 +441,12 @@ pub struct PartitionOffsets {
     pub lag: i64,
 }
 
-/// A client that reads the group's offsets without joining the group. Its calls
-/// block: run them off the async runtime.
+/// A client that reads the group's offsets without joining the group, and a
+/// second one, in no group, that reads messages the group has not committed yet.
+/// Its calls block: run them off the async runtime.
 pub struct GroupProbe {
     consumer: rdkafka::consumer::BaseConsumer,
+    reader: Mutex<rdkafka::consumer::BaseConsumer>,
     topic: String,
 }
 
@@ -410,10 +462,104 @@ impl GroupProbe {
             .set("reconnect.backoff.max.ms", "1000")
             .create()
             .context("failed to create the group probe")?;
+        // A group of its own that it never joins (no subscription) nor commits
+        // to, so it never disturbs the consumers; it reads from the offsets it is
+        // given. (librdkafka wants a group id for an assignment all the same.)
+        let reader = ClientConfig::new()
+            .set("bootstrap.servers", &settings.brokers)
+            .set(
+                "group.id",
+                format!("{}.in-flight-reader", settings.group_id),
+            )
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "true")
+            .set("auto.offset.reset", "earliest")
+            .set("fetch.wait.max.ms", "10")
+            .set("socket.connection.setup.timeout.ms", "2000")
+            .set("reconnect.backoff.max.ms", "1000")
+            .create()
+            .context("failed to create the in-flight reader")?;
         Ok(GroupProbe {
             consumer,
+            reader: Mutex::new(reader),
             topic: settings.topic.clone(),
         })
+    }
+
+    /// See [`LagProbe::in_flight`].
+    pub fn in_flight(&self, activity_id: &str, timeout: Duration) -> anyhow::Result<InFlight> {
+        use rdkafka::consumer::Consumer;
+        use rdkafka::message::Message;
+        use rdkafka::{Offset, TopicPartitionList};
+        let started = Instant::now();
+        let offsets = self.read(timeout)?;
+        let mut found = InFlight {
+            lag: offsets.iter().map(|p| p.lag).sum(),
+            ..InFlight::default()
+        };
+        // Each partition with a backlog, read from the group's committed offset
+        // up to the end offset read above: every message published before then.
+        let mut end: std::collections::HashMap<i32, i64> = offsets
+            .iter()
+            .filter(|p| p.lag > 0)
+            .map(|p| (p.partition, p.committed + p.lag))
+            .collect();
+        if end.is_empty() {
+            return Ok(found);
+        }
+        let mut tpl = TopicPartitionList::new();
+        for p in offsets.iter().filter(|p| p.lag > 0) {
+            tpl.add_partition_offset(&self.topic, p.partition, Offset::Offset(p.committed))
+                .context("bad partition offset")?;
+        }
+        let reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
+        reader
+            .assign(&tpl)
+            .context("could not assign the partitions to read")?;
+        let outcome = (|| {
+            while !end.is_empty() {
+                let left = timeout.saturating_sub(started.elapsed());
+                if left.is_zero() {
+                    anyhow::bail!(
+                        "the topic's uncommitted messages were not read within {timeout:?} ({} read)",
+                        found.read
+                    );
+                }
+                match reader.poll(left.min(Duration::from_millis(100))) {
+                    None => {}
+                    Some(Ok(m)) => {
+                        let Some(&last) = end.get(&m.partition()) else {
+                            continue;
+                        };
+                        if m.offset() >= last {
+                            end.remove(&m.partition());
+                            continue;
+                        }
+                        found.read += 1;
+                        if let Some(payload) = m.payload() {
+                            if names_activity(payload, activity_id) {
+                                found.payloads.push(payload.to_vec());
+                            }
+                        }
+                        if m.offset() + 1 >= last {
+                            end.remove(&m.partition());
+                        }
+                    }
+                    Some(Err(KafkaError::PartitionEOF(partition))) => {
+                        end.remove(&partition);
+                    }
+                    Some(Err(err)) => {
+                        return Err(anyhow::Error::new(err).context("reading the topic failed"))
+                    }
+                }
+            }
+            Ok(())
+        })();
+        if let Err(err) = reader.unassign() {
+            tracing::warn!(error = %err, "the in-flight reader could not drop its partitions");
+        }
+        outcome.map(|()| found)
     }
 
     /// Each partition's committed offset and lag; `timeout` bounds each request.

@@ -3,9 +3,13 @@
 //!
 //! For one activity, one pass:
 //! 1. **Redis lost the activity** (restart, failover, flush): the activity is paused
-//!    automatically (reservations already answer 503), and once the consumers have
-//!    drained the topic it is rebuilt from MySQL and resumed. An operator may
-//!    rebuild at once with the preload endpoint.
+//!    automatically (reservations already answer 503). Once every publish that was
+//!    in flight at the loss has landed or failed, the activity's own messages still
+//!    in the topic are written as orders (the consumer's write, so the consumer
+//!    later finds them done), and it is rebuilt from MySQL and resumed. It waits
+//!    for nothing else: not for the consumers to reach those messages, nor for the
+//!    other sales' backlog. An operator may rebuild at once with the preload
+//!    endpoint.
 //! 2. **Reservations pending past the deadline** have not reached MySQL yet. What
 //!    becomes of one depends on its fate in Redis (`stock/fate.lua`):
 //!    - *acknowledged*: a `202` was answered, so its message is in the queue and it
@@ -22,8 +26,9 @@
 //! 3. **Stock drift**: Redis stock + pending units + units owed back (failed or
 //!    cancelled orders not yet refunded) + live orders' units must equal the
 //!    activity's stock. A difference is reported, and repaired from MySQL only
-//!    when it is safe: the consumers have no lag, MySQL did not change while Redis
-//!    was read, and Redis still holds what was read (compare-and-set).
+//!    when it is safe: the activity's own messages still in the topic are orders
+//!    and settled, MySQL did not change while Redis was read, and Redis still
+//!    holds what was read (compare-and-set).
 //!
 //! Every step is idempotent and safe to run on several instances at once.
 
@@ -38,14 +43,18 @@ use tokio_util::sync::CancellationToken;
 use crate::activity::{Activity, ActivityCache, ActivityRepo, Build, Window};
 use crate::config::KafkaSettings;
 use crate::kafka;
-use crate::orders::{Decision, Incoming, OrderRepo, OrderWriter};
+use crate::orders::{consumer, Decision, Incoming, OrderRepo, OrderWriter};
 use crate::stock::{Audit, Fate, PreloadMode, RefundMode, RefundOutcome, StockStore};
 
 const EXPIRED_BATCH: usize = 500;
-/// How soon a rebuild that waits for the consumers is tried again.
+/// How soon a rebuild that waits (for publishes in flight, or for the broker or
+/// MySQL to answer) is tried again.
 const REBUILD_RETRY: Duration = Duration::from_millis(250);
 /// How long one pass keeps retrying MySQL for the orders it honours.
 const HONOUR_TIMEOUT: Duration = Duration::from_secs(10);
+/// Sales whose Redis state is removed in one pass, at most (the others wait for
+/// the next).
+const REMOVE_BATCH: u32 = 20;
 /// A transfer between stock shards older than this was left half done by its
 /// borrower (a borrower finishes its own within one round trip).
 const TRANSFER_GRACE_MS: i64 = 2_000;
@@ -63,7 +72,8 @@ pub struct Report {
     /// Whether Redis held an older build of it than MySQL's last one.
     pub stale: bool,
     pub paused_automatically: bool,
-    /// A rebuild is due but waits (for the consumers to drain).
+    /// A rebuild is due but waits (for publishes in flight at the loss, or for
+    /// the broker or MySQL).
     pub rebuild_waiting: bool,
     pub rebuilt: bool,
     pub resumed: bool,
@@ -71,6 +81,12 @@ pub struct Report {
     pub expired_pending: usize,
     /// Acknowledged reservations the reconciler turned into orders itself.
     pub honoured: usize,
+    /// The activity's messages found in the topic, not yet committed by the
+    /// consumers, when a rebuild or a repair needed them in MySQL first.
+    pub in_flight_messages: usize,
+    /// How many of those the reconciler wrote as orders itself (the others were
+    /// orders already, or decided otherwise).
+    pub in_flight_ordered: usize,
     /// Unacknowledged reservations the reconciler withdrew.
     pub withdrawn: usize,
     pub already_in_mysql: usize,
@@ -89,6 +105,10 @@ pub struct Report {
     /// Why something that differs was left alone.
     pub refused: Vec<String>,
 }
+
+/// MySQL's figures a drift was measured against: the activity's stock, the
+/// units of its live orders, and the units owed back to Redis.
+type Seen = (i64, i64, Vec<(String, u32)>);
 
 /// What a rebuild did.
 #[derive(Debug)]
@@ -115,6 +135,9 @@ pub struct MysqlFigures {
 const PUBLISH_GRACE: Duration = Duration::from_millis(500);
 /// How long one reading of the consumers' lag may take.
 const LAG_READ_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long one reading of the topic's uncommitted messages may take, whatever
+/// the consumers' backlog.
+const IN_FLIGHT_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Clone)]
 pub struct Reconciler {
@@ -125,6 +148,8 @@ pub struct Reconciler {
     /// The consumers' lag, read on one long-lived client.
     pub lag_probe: kafka::LagProbe,
     pub pending_deadline: Duration,
+    /// How long after its end a sale's Redis state is removed.
+    pub retain_after_end: Duration,
     /// The last report of each activity this instance reconciled.
     pub last: Arc<std::sync::Mutex<std::collections::HashMap<String, Report>>>,
     /// When this instance first found each activity lost from Redis.
@@ -141,6 +166,7 @@ impl Reconciler {
         stock: StockStore,
         kafka: KafkaSettings,
         pending_deadline: Duration,
+        retain_after_end: Duration,
     ) -> Self {
         Reconciler {
             activities,
@@ -149,6 +175,7 @@ impl Reconciler {
             lag_probe: kafka::LagProbe::new(kafka.clone()),
             kafka,
             pending_deadline,
+            retain_after_end,
             last: Arc::default(),
             lost_since: Arc::default(),
             first_pass: Arc::default(),
@@ -169,14 +196,13 @@ impl Reconciler {
         self.kafka.publish_timeout() + PUBLISH_GRACE
     }
 
-    /// The consumers' lag, measured once every publish that may have been in
-    /// flight when the activity was lost (as this instance first saw it, or now)
-    /// has been acknowledged, and is in the lag, or has failed; `None` if the
-    /// broker does not answer. The operator's preload waits for it as the
-    /// automatic rebuild does (`recover`): a reservation made in the lost state
-    /// and acknowledged after the lag was read would reach MySQL after the build
-    /// counted its unit as for sale.
-    pub async fn lag_once_published(&self, activity_id: &str) -> Option<i64> {
+    /// Waits until every publish that may have been in flight when the activity
+    /// was lost (as this instance first saw it, or now) has been acknowledged,
+    /// and so is in the topic, or has failed. The operator's preload waits for it
+    /// as the automatic rebuild does (`recover`): a reservation made in the lost
+    /// state and acknowledged after the rebuild read the topic would reach MySQL
+    /// after the build counted its unit as for sale.
+    pub async fn wait_published(&self, activity_id: &str) {
         let since = self
             .lost_since
             .lock()
@@ -194,7 +220,46 @@ impl Reconciler {
         tokio::time::sleep_until((since + self.in_flight()).into()).await;
         // The reading must start after the wait, so the connecting one ends first.
         let _ = connect.await;
-        self.measure_lag().await
+    }
+
+    /// Writes as orders the activity's messages still in the topic: published
+    /// before now, not yet committed by the consumers. The same write as the
+    /// consumer's, under the same locks and unique keys, then the same settling
+    /// in Redis, so the consumer finds each one done when it gets there, and a
+    /// message another reconciler or the consumer writes meanwhile is a
+    /// duplicate. Only this activity's messages are written; the others' are read
+    /// and skipped, however long the consumers' backlog of them. Returns how many
+    /// orders it wrote itself.
+    async fn settle_in_flight(
+        &self,
+        activity: &Activity,
+        report: &mut Report,
+    ) -> anyhow::Result<usize> {
+        let started = Instant::now();
+        let found = self
+            .lag_probe
+            .in_flight(&activity.id, IN_FLIGHT_READ_TIMEOUT)
+            .await?;
+        let read_ms = started.elapsed().as_millis();
+        metrics::gauge!("flashsale_consumer_lag_messages").set(found.lag as f64);
+        report.consumer_lag = Some(found.lag);
+        // A message that cannot be decoded is the consumers' to dead-letter.
+        let incoming: Vec<Incoming> = found
+            .payloads
+            .iter()
+            .filter_map(|p| consumer::parse(Some(p)).ok())
+            .collect();
+        report.in_flight_messages += incoming.len();
+        if incoming.is_empty() {
+            return Ok(0);
+        }
+        let writer = OrderWriter::new(self.orders.clone(), self.stock.clone());
+        let honoured = report.honoured;
+        honour(&writer, &incoming, report).await?;
+        let ordered = report.honoured - honoured;
+        report.in_flight_ordered += ordered;
+        tracing::info!(activity_id = %activity.id, messages = incoming.len(), ordered, read = found.read, lag = found.lag, read_ms, took_ms = started.elapsed().as_millis(), "the activity's messages still in the topic are orders");
+        Ok(ordered)
     }
 
     /// When the run loop should look again at the activities whose rebuild waits
@@ -329,14 +394,15 @@ impl Reconciler {
 
     /// Redis does not hold the activity (`Missing`), or holds an older build of it
     /// (`Force`): pause it, and rebuild it from MySQL once every published
-    /// reservation has reached MySQL.
+    /// reservation of it has reached MySQL.
     ///
     /// A reservation made in the lost state may still be waiting for the broker:
-    /// acknowledged after the lag was measured, its order would reach MySQL after
-    /// the build counted the units, and the rebuilt stock would hand its unit out
-    /// again. So the lag that allows a build must have been measured at least a
-    /// publish timeout after this instance first saw the loss; by then every such
-    /// publish was acknowledged (and is in the lag) or failed.
+    /// acknowledged after the rebuild read the topic, its order would reach MySQL
+    /// after the build counted the units, and the rebuilt stock would hand its
+    /// unit out again. So the rebuild reads the topic at least a publish timeout
+    /// after this instance first saw the loss; by then every such publish was
+    /// acknowledged (and is in the topic, below the end offsets the rebuild
+    /// reads) or failed.
     async fn recover(
         &self,
         activity: &Activity,
@@ -365,19 +431,14 @@ impl Reconciler {
                 metrics::counter!("flashsale_activity_auto_paused_total").increment(1);
             }
         }
-        let lag = if lag_measured.saturating_duration_since(since) >= in_flight {
-            report.consumer_lag
-        } else {
-            None
-        };
-        if lag.is_none() && report.consumer_lag.is_some() {
+        if lag_measured.saturating_duration_since(since) < in_flight {
             report.rebuild_waiting = true;
             report.refused.push(format!(
                 "rebuild waits out publishes that were in flight when the loss was seen ({in_flight:?})"
             ));
             return Ok(());
         }
-        match self.rebuild(activity, mode, lag).await? {
+        match self.rebuild(activity, mode, report).await? {
             Rebuild::Waiting(why) => {
                 report.rebuild_waiting = true;
                 report.refused.push(format!("rebuild {why}"));
@@ -404,8 +465,11 @@ impl Reconciler {
     /// (Re)builds an activity's Redis state from MySQL, the one way both the
     /// automatic recovery and the operator's preload do it:
     /// - an activity that was ever loaded may have messages in the queue whose
-    ///   orders MySQL does not hold yet; the build waits until the consumers have
-    ///   drained it (`lag`, measured by the caller after Redis was found lost);
+    ///   orders MySQL does not hold yet; they are written as orders first
+    ///   (`settle_in_flight`), whatever the consumers' backlog. The caller waited
+    ///   out the publishes in flight when Redis was found lost (`wait_published`),
+    ///   or Redis holds the activity and the forced build withdraws what was not
+    ///   acknowledged (below);
     /// - a forced build over a loaded state first decides every pending
     ///   reservation (acknowledged ones become orders, the rest are withdrawn), so
     ///   nothing acknowledged is forgotten and nothing is counted twice;
@@ -416,22 +480,14 @@ impl Reconciler {
         &self,
         activity: &Activity,
         mode: PreloadMode,
-        lag: Option<i64>,
+        report: &mut Report,
     ) -> anyhow::Result<Rebuild> {
         let fresh = self.reread(&activity.id).await?;
         if fresh.redis_epoch > 0 {
-            match lag {
-                Some(0) => {}
-                Some(n) => {
-                    return Ok(Rebuild::Waiting(format!(
-                        "waits for the consumers to drain the queue ({n} messages left)"
-                    )))
-                }
-                None => {
-                    return Ok(Rebuild::Waiting(
-                        "waits: the consumers' lag is unknown".into(),
-                    ))
-                }
+            if let Err(err) = self.settle_in_flight(&fresh, report).await {
+                return Ok(Rebuild::Waiting(format!(
+                    "waits: the activity's messages still in the topic are not all orders yet ({err:#})"
+                )));
             }
         }
         if mode == PreloadMode::Force {
@@ -648,7 +704,39 @@ impl Reconciler {
         ))
     }
 
+    /// Compares Redis with MySQL, and repairs a drift when it is safe. A drift
+    /// seen while the activity's messages are still in the topic is looked at
+    /// again once they are orders and settled: before, a message the consumers
+    /// wrote but have not settled is counted by MySQL and by Redis's pending
+    /// marks at once, which reads as drift that is not.
     async fn audit(&self, activity: &Activity, report: &mut Report) -> anyhow::Result<()> {
+        let Some(seen) = self.measure_drift(activity, report).await? else {
+            return Ok(());
+        };
+        if let Err(err) = self.settle_in_flight(activity, report).await {
+            report.refused.push(format!(
+                "repair refused: the activity's messages still in the topic could not be settled ({err:#})"
+            ));
+            return Ok(());
+        }
+        let (figures, audit) = if report.in_flight_messages == 0 {
+            seen
+        } else {
+            match self.measure_drift(activity, report).await? {
+                Some(again) => again,
+                None => return Ok(()),
+            }
+        };
+        self.repair(activity, figures, &audit, report).await
+    }
+
+    /// MySQL's figures and Redis's audit, and the drift between them into the
+    /// report; `None` when there is nothing to repair (no drift, or not loaded).
+    async fn measure_drift(
+        &self,
+        activity: &Activity,
+        report: &mut Report,
+    ) -> anyhow::Result<Option<(Seen, Audit)>> {
         // Every MySQL figure fresh, and read before Redis (as the stale check
         // reads the builds): a change MySQL commits after this read is either
         // already in Redis too, and the second read below sees it and refuses, or
@@ -676,36 +764,31 @@ impl Reconciler {
             .await?;
         report.redis = Some(audit.clone());
         if !audit.loaded {
-            return Ok(());
+            return Ok(None);
         }
         report.drift = audit.stock - audit.expected;
         metrics::gauge!("flashsale_activity_drift_units", "activity_id" => activity.id.clone())
             .set(report.drift as f64);
         if report.drift == 0 {
-            return Ok(());
+            return Ok(None);
         }
         metrics::counter!("flashsale_reconcile_drift_found_total").increment(1);
         tracing::warn!(activity_id = %activity.id, drift = report.drift, ?audit, "Redis stock differs from MySQL");
-        self.repair(activity, (total, live, &owed), &audit, report)
-            .await
+        Ok(Some(((total, live, owed), audit)))
     }
 
-    /// Repairs the drift `audit` found, unless the consumers still have lag or
-    /// MySQL's figures (`seen`: stock, live units, owed units) or Redis changed
-    /// since they were read.
+    /// Repairs the drift `audit` found (read after the activity's messages
+    /// still in the topic were orders and settled), unless MySQL's figures
+    /// (`seen`: stock, live units, owed units) or Redis changed since they were
+    /// read.
     async fn repair(
         &self,
         activity: &Activity,
-        (total, live, owed): (i64, i64, &[(String, u32)]),
+        (total, live, owed): Seen,
         audit: &Audit,
         report: &mut Report,
     ) -> anyhow::Result<()> {
-        if report.consumer_lag != Some(0) {
-            report
-                .refused
-                .push("repair refused: the consumers still have lag".into());
-            return Ok(());
-        }
+        let owed = owed.as_slice();
         let (total_again, _, live_again, owed_again) = self.mysql_figures(&activity.id).await?;
         if total_again != total || live_again != live || owed_again != owed {
             report
@@ -785,9 +868,61 @@ impl Reconciler {
                     }
                 }
             }
+            if let Err(err) = self.remove_ended().await {
+                tracing::warn!(error = %err, "removing ended sales' Redis state failed; next pass");
+            }
             // Only the first set counts; later ones change nothing.
             let _ = self.first_pass.set(());
         }
+    }
+
+    /// Removes the Redis state of the sales that ended more than
+    /// `retain_after_end` ago: the keys first, then the record in MySQL, so a
+    /// removal cut short is done again on the next pass. A sale that still holds
+    /// pending reservations waits (the pass that decides them needs them). Nothing
+    /// brings a removed state back: the reconciler rebuilds only open sales, a
+    /// preload of a sale due for removal is refused, and the scripts that a late
+    /// message or a lapse runs write nothing where the stock key is missing.
+    /// Returns how many sales it removed.
+    pub async fn remove_ended(&self) -> anyhow::Result<usize> {
+        let Some(cutoff) = chrono::Duration::from_std(self.retain_after_end)
+            .ok()
+            .and_then(|retain| Utc::now().checked_sub_signed(retain))
+        else {
+            return Ok(0);
+        };
+        let due = self
+            .activities
+            .due_for_removal(cutoff, REMOVE_BATCH)
+            .await?;
+        let mut removed = 0;
+        for a in due {
+            // Still looked after by the passes and the room's loop (see
+            // `ActivityCache::current_activities`): a room's state is removed
+            // only once its loop is done with it, and pending reservations wait
+            // for the pass that decides them.
+            if a.ends_at + crate::activity::LOOKED_AFTER > Utc::now() {
+                if a.admission == crate::activity::Admission::WaitingRoom {
+                    continue;
+                }
+                let snapshot = self.stock.snapshot(&a.id, a.stock_shards).await?;
+                if snapshot.pending > 0 {
+                    tracing::info!(activity_id = %a.id, pending = snapshot.pending, "an ended sale's Redis state waits for its pending reservations before it is removed");
+                    continue;
+                }
+            }
+            let keys = self.stock.remove(&a.id, a.stock_shards).await?;
+            self.activities.mark_removed(&a.id).await?;
+            self.found(&a.id);
+            self.last
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&a.id);
+            metrics::counter!("flashsale_activities_removed_total").increment(1);
+            tracing::info!(activity_id = %a.id, keys, ends_at = %a.ends_at, "the ended sale's Redis state was removed");
+            removed += 1;
+        }
+        Ok(removed)
     }
 
     /// The consumer group's lag into `flashsale_consumer_lag_messages`; a broker

@@ -23,6 +23,13 @@
 -- low, never high; the reconciler's drift repair raises it once the consumers
 -- are drained.
 -- Returns how many units the stock was lowered by, or -1 when already done.
+-- A state that is not loaded (lost, or removed after the sale's retention) is
+-- left as it is, with no key written: a rebuild reads MySQL, and a removed sale
+-- stays removed.
+local stock = redis.call("GET", KEYS[1])
+if not stock then
+  return 0
+end
 if redis.call("SISMEMBER", KEYS[5], ARGV[1]) == 1 then
   return -1
 end
@@ -34,10 +41,6 @@ if redis.call("HGET", KEYS[2], ARGV[2]) == ARGV[1] then
   if redis.call("EXISTS", KEYS[8]) == 1 then
     redis.call("BITFIELD", KEYS[8], "INCRBY", "i32", 8, -1)
   end
-end
-local stock = redis.call("GET", KEYS[1])
-if not stock then
-  return 0
 end
 stock = tonumber(stock)
 local pending = 0

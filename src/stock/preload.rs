@@ -103,6 +103,39 @@ impl StockStore {
     }
 }
 
+impl StockStore {
+    /// Deletes every key of the activity: each stock shard's and its waiting
+    /// room's, one `DEL` per hash tag (so one slot each on a Cluster). Returns how
+    /// many keys there were. Nothing recreates them: the scripts that a late
+    /// message or a lapse runs find the stock key missing and write nothing.
+    pub async fn remove(&self, activity_id: &str, shards: u8) -> RedisResult<u64> {
+        let room = super::RoomKeys::new(activity_id, shards);
+        let mut removed = 0;
+        for k in Keys::all(activity_id, shards) {
+            let mut del = redis::cmd("DEL");
+            del.arg(&k.stock)
+                .arg(&k.buyers)
+                .arg(&k.pending)
+                .arg(&k.res)
+                .arg(&k.refunded)
+                .arg(&k.state)
+                .arg(&k.epoch)
+                .arg(&k.barrier)
+                .arg(&k.lent)
+                .arg(&k.received)
+                .arg(&k.restock)
+                .arg(&k.filter);
+            if k.shard == 0 {
+                del.arg(&room.all()[..]);
+            }
+            let mut conn = self.conn.clone();
+            let n: u64 = del.query_async(&mut conn).await?;
+            removed += n;
+        }
+        Ok(removed)
+    }
+}
+
 /// `preload.lua`'s 1 built, 0 left alone (`missing` found it loaded, `force`
 /// found it selling).
 fn decode_preload(n: i64) -> bool {

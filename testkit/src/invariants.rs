@@ -110,6 +110,7 @@ impl Probe {
             connection_timeout_ms: 2000,
             response_timeout_ms: 2000,
             min_replicas_acked: 0,
+            retain_after_end_secs: 86_400,
             replica_ack_timeout_ms: 0,
         };
         flashsale::stock::RedisConn::connect(&settings)

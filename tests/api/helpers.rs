@@ -102,6 +102,12 @@ impl TestAppBuilder {
         self
     }
 
+    /// A sale's Redis state is removed `secs` after its end.
+    pub fn retain_after_end_secs(mut self, secs: u64) -> Self {
+        self.settings.redis.retain_after_end_secs = secs;
+        self
+    }
+
     /// A pending reservation is the reconciler's to decide after `secs`.
     pub fn pending_deadline_secs(mut self, secs: u64) -> Self {
         self.settings.reconcile.pending_deadline_secs = secs;

@@ -15,6 +15,7 @@ mod orders;
 mod rate_limit;
 mod reconcile;
 mod reserve;
+mod retention;
 mod shards;
 mod topup;
 mod traces;

@@ -371,7 +371,8 @@ pub async fn scenario(fault: &dyn Fault) -> Result<Row, String> {
 }
 
 /// Stops everything a run started and drops its database; a failed run's
-/// process logs go to stderr first (and its folder is kept with `FAULTS_KEEP`).
+/// process logs go to stderr first (and its folder is kept with `FAULTS_KEEP`;
+/// with `FAULTS_KEEP=all`, every run's is).
 pub async fn finish(mut run: Run, failed: bool) -> Result<(), String> {
     if failed {
         for s in &run.services {
@@ -395,7 +396,12 @@ pub async fn finish(mut run: Run, failed: bool) -> Result<(), String> {
     }
     // The database goes when `run` is dropped: on the shared server with its
     // guard, on a server of the run's own with that server.
-    if std::env::var_os("FAULTS_KEEP").is_some() && failed {
+    // FAULTS_KEEP=all keeps every run's folder, passed or not (to read timings).
+    let keep_all = std::env::var("FAULTS_KEEP").is_ok_and(|v| v == "all");
+    if keep_all {
+        eprintln!("--- logs kept in {}", run.dir.path().display());
+    }
+    if std::env::var_os("FAULTS_KEEP").is_some() && (failed || keep_all) {
         let kept = std::mem::replace(
             &mut run.dir,
             tempfile::tempdir().map_err(|e| e.to_string())?,

@@ -13,6 +13,7 @@ mod preload_during_sale;
 mod redis_failover;
 mod redis_restarted_empty;
 mod redis_restarted_empty_two;
+mod sale_lost_beside_busy;
 mod script_cache_flushed;
 mod sentinel_failover;
 mod service_killed;
@@ -31,6 +32,8 @@ pub fn all() -> Vec<Arc<dyn Fault>> {
         Arc::new(service_killed::ServiceKilled),
         Arc::new(redis_restarted_empty::RedisRestartedEmpty),
         Arc::new(redis_restarted_empty_two::RedisRestartedEmptyTwo),
+        Arc::new(sale_lost_beside_busy::SaleLostBesideBusy { held_back: false }),
+        Arc::new(sale_lost_beside_busy::SaleLostBesideBusy { held_back: true }),
         Arc::new(every_message_twice::EveryMessageTwice),
         Arc::new(payments_race_sweeper::PaymentsRaceSweeper),
         Arc::new(two_instances::TwoInstances),
