@@ -32,9 +32,9 @@ set +e
 cargo test --workspace --locked --no-fail-fast "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 if [[ $# -eq 0 ]]; then
-    echo "== the reserve, order, reconcile, stock-shard, gate and waiting-room tests against the Redis Cluster"
+    echo "== the reserve, order, reconcile, stock-shard, gate, waiting-room, retention and poll tests against the Redis Cluster"
     FLASHSALE_TEST_REDIS_URL="$(scripts/redis-cluster.sh url)" \
-        cargo test --workspace --locked --test api -- reserve:: orders:: reconcile:: shards:: gate:: waiting_room:: 2>&1 | tee -a "$log"
+        cargo test --workspace --locked --test api -- reserve:: orders:: reconcile:: shards:: gate:: waiting_room:: retention:: polls:: 2>&1 | tee -a "$log"
     cluster_status=${PIPESTATUS[0]}
     [[ $status -ne 0 ]] || status=$cluster_status
     echo "== the deployment files: alert rules and their unit tests (promtool), the dashboard, the Kubernetes manifests, docker-compose.yml (validated, not started)"

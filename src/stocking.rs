@@ -72,11 +72,7 @@ impl Stocking {
     /// loaded one is refused while it is open and not paused.
     pub async fn preload(&self, activity: &Activity) -> Result<Preload, PreloadError> {
         let id = &activity.id;
-        let retained = chrono::Duration::from_std(self.reconciler.retain_after_end)
-            .ok()
-            .and_then(|retain| activity.ends_at.checked_add_signed(retain))
-            .is_none_or(|until| Utc::now() < until);
-        if activity.redis_removed_at.is_some() || !retained {
+        if self.reconciler.past_retention(activity) {
             return Ok(Preload::Removed);
         }
         let live = self.stock.snapshot(id, activity.stock_shards).await?;
@@ -112,6 +108,7 @@ impl Stocking {
                 Preload::Draining(why)
             }
             Rebuild::AlreadyLoaded => Preload::Reopened,
+            Rebuild::Removed => Preload::Removed,
         })
     }
 

@@ -132,19 +132,27 @@ impl ActivityRepo {
     }
 
     /// Activities that ended before `ended_before` and whose Redis state may
-    /// still be there, the longest ended first, at most `limit`. Reads only the
-    /// rows not yet removed (`idx_activities_retention`), however many sales
+    /// still be there (not removed, or removed within `again_within`: see
+    /// `Reconciler::remove_ended`), the longest ended first, at most `limit`.
+    /// Reads only those rows (`idx_activities_retention`), however many sales
     /// were ever held.
     pub async fn due_for_removal(
         &self,
         ended_before: DateTime<Utc>,
+        again_within: std::time::Duration,
         limit: u32,
     ) -> Result<Vec<Activity>, sqlx::Error> {
+        let again_since = Utc::now()
+            - chrono::Duration::from_std(again_within).unwrap_or_else(|_| chrono::Duration::zero());
         sqlx::query_as(&format!(
-            "SELECT {COLUMNS} FROM activities \
-             WHERE redis_removed_at IS NULL AND ends_at < ? ORDER BY ends_at LIMIT ?"
+            "(SELECT {COLUMNS} FROM activities \
+              WHERE redis_removed_at IS NULL AND ends_at < ? ORDER BY ends_at LIMIT ?) \
+             UNION ALL \
+             (SELECT {COLUMNS} FROM activities WHERE redis_removed_at > ? LIMIT ?)"
         ))
         .bind(ended_before.naive_utc())
+        .bind(limit)
+        .bind(again_since.naive_utc())
         .bind(limit)
         .fetch_all(&self.pool)
         .await

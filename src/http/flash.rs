@@ -19,6 +19,7 @@ use crate::input::{is_valid_sku, whole_number};
 use crate::orders::OrderStatus;
 use crate::reservation::Outcome;
 use crate::state::AppState;
+use crate::stock::Polled;
 use crate::waiting_room::{Place, Turn};
 
 fn activity_for(state: &AppState, sku: &str, now: DateTime<Utc>) -> AppResult<Arc<Activity>> {
@@ -519,15 +520,88 @@ pub struct ReservationView {
         (status = 503, description = "unavailable", body = crate::error::ErrorBody),
     )
 )]
-/// `GET /flash/{sku}/reservation`: MySQL's order when there is one, else Redis's
-/// pending reservation.
+/// `GET /flash/{sku}/reservation`: a reservation still pending is answered from
+/// Redis; an order from the copy of its view a poll cached in Redis, while the
+/// order has not changed since (`stock::views`); else from MySQL, whose answer is
+/// then cached for the next poll, on whichever instance it lands.
 pub async fn reservation(
     State(state): State<AppState>,
     Path(sku): Path<String>,
     Extension(user): Extension<User>,
 ) -> AppResult<Json<ReservationView>> {
     let activity = activity_for(&state, &sku, Utc::now())?;
+    let polled = state
+        .stock
+        .poll_view(&activity.id, activity.stock_shards, &user.id)
+        .await;
+    let answered = |by: &'static str| {
+        metrics::counter!("flashsale_reservation_polls_total", "answered_from" => by).increment(1);
+    };
+    let (held, token) = match polled {
+        Ok(Polled::Pending { reservation_id }) => {
+            answered("redis");
+            return Ok(Json(ReservationView::pending(reservation_id)));
+        }
+        Ok(Polled::Cached { view, token }) => {
+            if let Some(view) = ReservationView::from_cache(&view, Utc::now()) {
+                answered("redis");
+                return Ok(Json(view));
+            }
+            (Ok(None), Some(token))
+        }
+        Ok(Polled::Miss {
+            reservation_id,
+            token,
+        }) => (Ok(reservation_id), token),
+        Err(err) => (Err(err), None),
+    };
+    answered("mysql");
     if let Some(order) = state.orders.by_user(&activity.id, &user.id).await? {
+        let view = ReservationView::of_order(order);
+        if let (Some(token), Some(cached)) = (token, view.to_cache()) {
+            if let Err(err) = state
+                .stock
+                .fill_view(
+                    &activity.id,
+                    activity.stock_shards,
+                    &user.id,
+                    &token,
+                    &cached,
+                )
+                .await
+            {
+                tracing::debug!(error = %err, "reservation view not cached");
+            }
+        }
+        return Ok(Json(view));
+    }
+    match held {
+        Ok(Some(reservation_id)) => Ok(Json(ReservationView::pending(reservation_id))),
+        Ok(None) => Err(AppError::not_found("you hold no reservation for this sale")),
+        Err(err) => {
+            tracing::warn!(error = %err, "reservation lookup failed");
+            Err(AppError::Unavailable("stock store unreachable"))
+        }
+    }
+}
+
+/// A cached view of an order awaiting payment is served only until this long
+/// before its deadline: the sweeper cancels it at the deadline, and a poll near
+/// it asks MySQL (whose clock decides), whether or not the cancellation's own
+/// change reached the cache.
+const CACHED_UNTIL_BEFORE_DEADLINE: chrono::Duration = chrono::Duration::seconds(5);
+
+impl ReservationView {
+    fn pending(reservation_id: String) -> Self {
+        ReservationView {
+            reservation_id,
+            status: "pending",
+            order_id: None,
+            expires_at: None,
+        }
+    }
+
+    fn of_order(order: crate::orders::Order) -> Self {
         let status = match order.status {
             OrderStatus::PendingPayment => "ordered",
             OrderStatus::Paid => "paid",
@@ -538,31 +612,50 @@ pub async fn reservation(
             order.status,
             OrderStatus::PendingPayment | OrderStatus::Paid | OrderStatus::Cancelled
         );
-        return Ok(Json(ReservationView {
+        ReservationView {
             reservation_id: order.reservation_id,
             status,
             order_id: live.then(|| order.id.to_string()),
             expires_at: order
                 .expires_at
                 .filter(|_| order.status == OrderStatus::PendingPayment),
-        }));
+        }
     }
-    let pending = state
-        .stock
-        .reservation_of(&activity.id, activity.stock_shards, &user.id)
-        .await
-        .map_err(|e| {
-            tracing::warn!(error = %e, "reservation lookup failed");
-            AppError::Unavailable("stock store unreachable")
-        })?;
-    match pending {
-        Some(reservation_id) => Ok(Json(ReservationView {
-            reservation_id,
-            status: "pending",
-            order_id: None,
-            expires_at: None,
-        })),
-        None => Err(AppError::not_found("you hold no reservation for this sale")),
+
+    /// The copy to cache: orders awaiting payment, paid or cancelled (a failed
+    /// one is an incident, rare, and left to MySQL).
+    fn to_cache(&self) -> Option<String> {
+        if !matches!(self.status, "ordered" | "paid" | "cancelled") {
+            return None;
+        }
+        serde_json::to_string(self).ok()
+    }
+
+    /// A cached copy, if it may still be served at `now`.
+    fn from_cache(cached: &str, now: DateTime<Utc>) -> Option<Self> {
+        #[derive(Deserialize)]
+        struct Cached {
+            reservation_id: String,
+            status: String,
+            order_id: Option<String>,
+            expires_at: Option<DateTime<Utc>>,
+        }
+        let c: Cached = serde_json::from_str(cached).ok()?;
+        let status = match c.status.as_str() {
+            "ordered" => "ordered",
+            "paid" => "paid",
+            "cancelled" => "cancelled",
+            _ => return None,
+        };
+        if status == "ordered" && c.expires_at? - CACHED_UNTIL_BEFORE_DEADLINE <= now {
+            return None;
+        }
+        Some(ReservationView {
+            reservation_id: c.reservation_id,
+            status,
+            order_id: c.order_id,
+            expires_at: c.expires_at,
+        })
     }
 }
 

@@ -6,9 +6,10 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::auth::User;
-use crate::error::{AppError, AppResult};
-use crate::orders::{Order, PayOutcome};
+use crate::error::{redis_down, AppError, AppResult};
+use crate::orders::{Order, OrderStatus, PayOutcome};
 use crate::state::AppState;
+use crate::stock::ViewChange;
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct OrderView {
@@ -64,7 +65,45 @@ pub async fn pay(
     let id: u64 = order_id
         .parse()
         .map_err(|_| AppError::not_found("no such order"))?;
-    match state.orders.pay(id, &user.id).await? {
+    let order = state
+        .orders
+        .by_id(id)
+        .await?
+        .filter(|o| *o.user_id == *user.id)
+        .ok_or_else(|| AppError::not_found("no such order"))?;
+    // The reservation-status view a poll cached is dropped before MySQL changes
+    // the order and none is cached until the change is committed (see
+    // `stock::views`); without Redis the payment waits (503, nothing changed).
+    let changing = order.status == OrderStatus::PendingPayment;
+    if changing {
+        state
+            .stock
+            .view_change(
+                &order.activity_id,
+                &order.reservation_id,
+                &user.id,
+                ViewChange::Begin,
+            )
+            .await
+            .map_err(redis_down)?;
+    }
+    let paid = state.orders.pay(id, &user.id).await;
+    if changing {
+        if let Err(err) = state
+            .stock
+            .view_change(
+                &order.activity_id,
+                &order.reservation_id,
+                &user.id,
+                ViewChange::End,
+            )
+            .await
+        {
+            // The version stays odd: this user's polls ask MySQL from now on.
+            tracing::warn!(error = %err, order_id = id, "the payment's end was not marked for the reservation view");
+        }
+    }
+    match paid? {
         PayOutcome::Paid(order) => {
             metrics::counter!("flashsale_orders_paid_total").increment(1);
             tracing::info!(order_id = id, "order paid");

@@ -3,6 +3,7 @@
 
 pub mod trace;
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -386,19 +387,23 @@ impl LagProbe {
 
     /// One sale's messages still in the topic: published (below each
     /// partition's end offset, read now) and not yet committed by the order
-    /// consumers' group, as raw payloads. Every other sale's messages in that
-    /// range are read and skipped. `timeout` bounds each request to the broker,
-    /// and the whole read.
+    /// consumers' group, as raw payloads; every other sale's messages in that
+    /// range are read and skipped. `from` holds, per partition, where an earlier
+    /// read of this sale stopped (its messages before that already dealt with):
+    /// a read resumes there rather than at the committed offset, so a backlog
+    /// too long for one read is read over several. `budget` bounds each request
+    /// to the broker, and the reading of messages.
     pub async fn in_flight(
         &self,
         activity_id: &str,
-        timeout: Duration,
+        from: HashMap<i32, i64>,
+        budget: Duration,
     ) -> anyhow::Result<InFlight> {
         let this = self.clone();
         let activity_id = activity_id.to_owned();
         tokio::task::spawn_blocking(move || {
             let client = this.client()?;
-            let read = client.in_flight(&activity_id, timeout);
+            let read = client.in_flight(&activity_id, &from, budget);
             this.drop_if_failed(&client, &read);
             read
         })
@@ -412,11 +417,15 @@ impl LagProbe {
 pub struct InFlight {
     /// Every message not yet committed, all sales together.
     pub lag: i64,
-    /// How many of them were read before the sale's own were known.
+    /// How many messages this read went through.
     pub read: i64,
     /// The sale's own (payloads that name it; those that cannot be decoded are
     /// the consumers' to dead-letter).
     pub payloads: Vec<Vec<u8>>,
+    /// Where the next read of this sale resumes, per partition.
+    pub next: HashMap<i32, i64>,
+    /// Whether every partition was read to its end offset.
+    pub complete: bool,
 }
 
 /// Whether a payload is a reservation message of `activity_id`.
@@ -488,78 +497,91 @@ impl GroupProbe {
     }
 
     /// See [`LagProbe::in_flight`].
-    pub fn in_flight(&self, activity_id: &str, timeout: Duration) -> anyhow::Result<InFlight> {
+    pub fn in_flight(
+        &self,
+        activity_id: &str,
+        from: &HashMap<i32, i64>,
+        budget: Duration,
+    ) -> anyhow::Result<InFlight> {
         use rdkafka::consumer::Consumer;
         use rdkafka::message::Message;
         use rdkafka::{Offset, TopicPartitionList};
+        let offsets = self.read(budget)?;
         let started = Instant::now();
-        let offsets = self.read(timeout)?;
         let mut found = InFlight {
             lag: offsets.iter().map(|p| p.lag).sum(),
             ..InFlight::default()
         };
-        // Each partition with a backlog, read from the group's committed offset
-        // up to the end offset read above: every message published before then.
-        let mut end: std::collections::HashMap<i32, i64> = offsets
-            .iter()
-            .filter(|p| p.lag > 0)
-            .map(|p| (p.partition, p.committed + p.lag))
-            .collect();
-        if end.is_empty() {
-            return Ok(found);
-        }
+        // Each partition with messages left, from the group's committed offset
+        // (or where the last read stopped, if further) to the end offset read
+        // above: every message published before then.
         let mut tpl = TopicPartitionList::new();
-        for p in offsets.iter().filter(|p| p.lag > 0) {
-            tpl.add_partition_offset(&self.topic, p.partition, Offset::Offset(p.committed))
-                .context("bad partition offset")?;
+        let mut end: HashMap<i32, i64> = HashMap::new();
+        for p in &offsets {
+            let high = p.committed + p.lag;
+            let start = from
+                .get(&p.partition)
+                .copied()
+                .unwrap_or(0)
+                .max(p.committed);
+            found.next.insert(p.partition, start);
+            if start < high {
+                end.insert(p.partition, high);
+                tpl.add_partition_offset(&self.topic, p.partition, Offset::Offset(start))
+                    .context("bad partition offset")?;
+            }
+        }
+        if end.is_empty() {
+            found.complete = true;
+            return Ok(found);
         }
         let reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
         reader
             .assign(&tpl)
             .context("could not assign the partitions to read")?;
-        let outcome = (|| {
-            while !end.is_empty() {
-                let left = timeout.saturating_sub(started.elapsed());
-                if left.is_zero() {
-                    anyhow::bail!(
-                        "the topic's uncommitted messages were not read within {timeout:?} ({} read)",
-                        found.read
-                    );
-                }
-                match reader.poll(left.min(Duration::from_millis(100))) {
-                    None => {}
-                    Some(Ok(m)) => {
-                        let Some(&last) = end.get(&m.partition()) else {
-                            continue;
-                        };
-                        if m.offset() >= last {
-                            end.remove(&m.partition());
-                            continue;
-                        }
+        while !end.is_empty() {
+            let left = budget.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                break;
+            }
+            match reader.poll(left.min(Duration::from_millis(100))) {
+                None => {}
+                Some(Ok(m)) => {
+                    let partition = m.partition();
+                    let Some(&last) = end.get(&partition) else {
+                        continue;
+                    };
+                    if m.offset() < last {
                         found.read += 1;
                         if let Some(payload) = m.payload() {
                             if names_activity(payload, activity_id) {
                                 found.payloads.push(payload.to_vec());
                             }
                         }
-                        if m.offset() + 1 >= last {
-                            end.remove(&m.partition());
-                        }
+                        found.next.insert(partition, m.offset() + 1);
                     }
-                    Some(Err(KafkaError::PartitionEOF(partition))) => {
+                    if m.offset() + 1 >= last {
                         end.remove(&partition);
                     }
-                    Some(Err(err)) => {
-                        return Err(anyhow::Error::new(err).context("reading the topic failed"))
+                }
+                Some(Err(KafkaError::PartitionEOF(partition))) => {
+                    // Everything below the end offset read above was delivered.
+                    if let Some(last) = end.remove(&partition) {
+                        found.next.insert(partition, last);
                     }
                 }
+                // A transport error the client retries by itself (a broker
+                // connection dropped, say): the budget bounds the wait.
+                Some(Err(err)) => {
+                    tracing::debug!(error = %err, "the in-flight reader saw an error");
+                }
             }
-            Ok(())
-        })();
+        }
+        found.complete = end.is_empty();
         if let Err(err) = reader.unassign() {
             tracing::warn!(error = %err, "the in-flight reader could not drop its partitions");
         }
-        outcome.map(|()| found)
+        Ok(found)
     }
 
     /// Each partition's committed offset and lag; `timeout` bounds each request.

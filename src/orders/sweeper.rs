@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::repo::OrderRepo;
-use crate::stock::{RefundMode, RefundOutcome, StockStore};
+use crate::stock::{RefundMode, RefundOutcome, StockStore, ViewChange};
 
 const BATCH: u32 = 500;
 
@@ -36,6 +36,21 @@ impl Sweeper {
             report.cancelled += cancelled.len();
             for o in &cancelled {
                 tracing::info!(order_id = o.id, reservation_id = %o.reservation_id, "unpaid order cancelled");
+                // A reservation-status view cached before is dropped; if this
+                // fails, the copy is served no later than shortly before the
+                // deadline anyway (see `http::flash::reservation`).
+                if let Err(err) = self
+                    .stock
+                    .view_change(
+                        &o.activity_id,
+                        &o.reservation_id,
+                        &o.user_id,
+                        ViewChange::End,
+                    )
+                    .await
+                {
+                    tracing::debug!(error = %err, order_id = o.id, "the cancellation was not marked for the reservation view");
+                }
             }
             if cancelled.len() < BATCH as usize {
                 break;

@@ -55,6 +55,8 @@ const HONOUR_TIMEOUT: Duration = Duration::from_secs(10);
 /// Sales whose Redis state is removed in one pass, at most (the others wait for
 /// the next).
 const REMOVE_BATCH: u32 = 20;
+/// How long after its removal a sale's keys are unlinked again at every pass.
+const REMOVE_AGAIN_WITHIN: Duration = Duration::from_secs(60);
 /// A transfer between stock shards older than this was left half done by its
 /// borrower (a borrower finishes its own within one round trip).
 const TRANSFER_GRACE_MS: i64 = 2_000;
@@ -118,6 +120,9 @@ pub enum Rebuild {
     AlreadyLoaded,
     /// Not safe yet, and why.
     Waiting(String),
+    /// The sale ended longer ago than its retention: its state was removed (or
+    /// is about to be) and is never built again.
+    Removed,
 }
 
 #[derive(Debug, Clone, Default, Serialize, utoipa::ToSchema)]
@@ -135,9 +140,9 @@ pub struct MysqlFigures {
 const PUBLISH_GRACE: Duration = Duration::from_millis(500);
 /// How long one reading of the consumers' lag may take.
 const LAG_READ_TIMEOUT: Duration = Duration::from_secs(3);
-/// How long one reading of the topic's uncommitted messages may take, whatever
-/// the consumers' backlog.
-const IN_FLIGHT_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one reading of the topic's uncommitted messages goes on; a longer
+/// backlog is read over several passes, each resuming where the last stopped.
+const IN_FLIGHT_READ_BUDGET: Duration = Duration::from_secs(2);
 
 #[derive(Clone)]
 pub struct Reconciler {
@@ -154,6 +159,11 @@ pub struct Reconciler {
     pub last: Arc<std::sync::Mutex<std::collections::HashMap<String, Report>>>,
     /// When this instance first found each activity lost from Redis.
     pub lost_since: Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>>,
+    /// Per activity being rebuilt, where its reading of the topic stopped (per
+    /// partition); the messages before that are written already.
+    scans: Arc<
+        std::sync::Mutex<std::collections::HashMap<String, std::collections::HashMap<i32, i64>>>,
+    >,
     /// Set once `run` has finished its first pass (the consumer lag measured and
     /// every current activity reconciled): `/metrics` waits for it after a start.
     pub first_pass: Arc<tokio::sync::SetOnce<()>>,
@@ -178,13 +188,19 @@ impl Reconciler {
             retain_after_end,
             last: Arc::default(),
             lost_since: Arc::default(),
+            scans: Arc::default(),
             first_pass: Arc::default(),
         }
     }
 
-    /// The activity is in Redis again: a later loss waits from its own start.
+    /// The activity is in Redis again: a later loss waits from its own start,
+    /// and reads the topic from the consumers' committed offsets.
     fn found(&self, activity_id: &str) {
         self.lost_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(activity_id);
+        self.scans
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(activity_id);
@@ -228,17 +244,25 @@ impl Reconciler {
     /// in Redis, so the consumer finds each one done when it gets there, and a
     /// message another reconciler or the consumer writes meanwhile is a
     /// duplicate. Only this activity's messages are written; the others' are read
-    /// and skipped, however long the consumers' backlog of them. Returns how many
-    /// orders it wrote itself.
+    /// and skipped. A backlog too long for one read (`IN_FLIGHT_READ_BUDGET`) is
+    /// read over several calls, each resuming where the last one's messages were
+    /// written. Returns whether the topic was read to its end.
     async fn settle_in_flight(
         &self,
         activity: &Activity,
         report: &mut Report,
-    ) -> anyhow::Result<usize> {
+    ) -> anyhow::Result<bool> {
         let started = Instant::now();
+        let from = self
+            .scans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&activity.id)
+            .cloned()
+            .unwrap_or_default();
         let found = self
             .lag_probe
-            .in_flight(&activity.id, IN_FLIGHT_READ_TIMEOUT)
+            .in_flight(&activity.id, from, IN_FLIGHT_READ_BUDGET)
             .await?;
         let read_ms = started.elapsed().as_millis();
         metrics::gauge!("flashsale_consumer_lag_messages").set(found.lag as f64);
@@ -250,16 +274,23 @@ impl Reconciler {
             .filter_map(|p| consumer::parse(Some(p)).ok())
             .collect();
         report.in_flight_messages += incoming.len();
-        if incoming.is_empty() {
-            return Ok(0);
+        let mut ordered = 0;
+        if !incoming.is_empty() {
+            let writer = OrderWriter::new(self.orders.clone(), self.stock.clone());
+            let honoured = report.honoured;
+            honour(&writer, &incoming, report).await?;
+            ordered = report.honoured - honoured;
+            report.in_flight_ordered += ordered;
+            metrics::counter!("flashsale_reconcile_in_flight_orders_total")
+                .increment(ordered as u64);
         }
-        let writer = OrderWriter::new(self.orders.clone(), self.stock.clone());
-        let honoured = report.honoured;
-        honour(&writer, &incoming, report).await?;
-        let ordered = report.honoured - honoured;
-        report.in_flight_ordered += ordered;
-        tracing::info!(activity_id = %activity.id, messages = incoming.len(), ordered, read = found.read, lag = found.lag, read_ms, took_ms = started.elapsed().as_millis(), "the activity's messages still in the topic are orders");
-        Ok(ordered)
+        // Written: a later read of this sale need not read them again.
+        self.scans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(activity.id.clone(), found.next);
+        tracing::info!(activity_id = %activity.id, messages = incoming.len(), ordered, read = found.read, lag = found.lag, complete = found.complete, read_ms, took_ms = started.elapsed().as_millis(), "the activity's messages still in the topic are orders");
+        Ok(found.complete)
     }
 
     /// When the run loop should look again at the activities whose rebuild waits
@@ -273,6 +304,16 @@ impl Reconciler {
             .map(|since| *since + in_flight)
             .filter(|due| *due > now)
             .fold(now + REBUILD_RETRY, Instant::min)
+    }
+
+    /// Whether the sale ended longer ago than `redis.retain_after_end_secs`, or
+    /// its state was removed: it is never loaded into Redis again.
+    pub fn past_retention(&self, activity: &Activity) -> bool {
+        activity.redis_removed_at.is_some()
+            || chrono::Duration::from_std(self.retain_after_end)
+                .ok()
+                .and_then(|retain| activity.ends_at.checked_add_signed(retain))
+                .is_some_and(|until| until <= Utc::now())
     }
 
     /// The activity as MySQL holds it now; one that was there a moment ago and
@@ -449,7 +490,7 @@ impl Reconciler {
                 tracing::warn!(activity_id = %activity.id, available = build.available, buyers = build.buyers.len(), "activity rebuilt from MySQL");
                 metrics::counter!("flashsale_activity_rebuilt_total").increment(1);
             }
-            Rebuild::AlreadyLoaded => {}
+            Rebuild::AlreadyLoaded | Rebuild::Removed => {}
         }
         let fresh = self.reread(&activity.id).await?;
         if fresh.auto_paused || !fresh.paused {
@@ -483,11 +524,25 @@ impl Reconciler {
         report: &mut Report,
     ) -> anyhow::Result<Rebuild> {
         let fresh = self.reread(&activity.id).await?;
+        // Read again here, just before the build: a sale removed (or due) since
+        // the caller looked is never brought back.
+        if self.past_retention(&fresh) {
+            return Ok(Rebuild::Removed);
+        }
         if fresh.redis_epoch > 0 {
-            if let Err(err) = self.settle_in_flight(&fresh, report).await {
-                return Ok(Rebuild::Waiting(format!(
-                    "waits: the activity's messages still in the topic are not all orders yet ({err:#})"
-                )));
+            match self.settle_in_flight(&fresh, report).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Ok(Rebuild::Waiting(format!(
+                        "waits: the topic is still being read for the activity's messages (the consumers' backlog is {} messages)",
+                        report.consumer_lag.unwrap_or_default()
+                    )))
+                }
+                Err(err) => {
+                    return Ok(Rebuild::Waiting(format!(
+                        "waits: the activity's messages still in the topic are not all orders yet ({err:#})"
+                    )))
+                }
             }
         }
         if mode == PreloadMode::Force {
@@ -704,29 +759,26 @@ impl Reconciler {
         ))
     }
 
-    /// Compares Redis with MySQL, and repairs a drift when it is safe. A drift
-    /// seen while the activity's messages are still in the topic is looked at
-    /// again once they are orders and settled: before, a message the consumers
-    /// wrote but have not settled is counted by MySQL and by Redis's pending
-    /// marks at once, which reads as drift that is not.
+    /// Compares Redis with MySQL, and repairs a drift when it is safe: only
+    /// while Redis holds no pending reservation of the sale. A reservation the
+    /// consumers wrote to MySQL and have not settled in Redis yet is counted by
+    /// MySQL's live units and by Redis's pending units at once, which reads as
+    /// drift that is not; with none pending, every reservation of the sale is
+    /// an order, a withdrawal or a refund on both sides (a message still in the
+    /// topic is then a duplicate, or superseded), and what is left to guard is
+    /// MySQL or Redis changing during the check. A busy sale is repaired in the
+    /// first lull; the drift is reported meanwhile.
     async fn audit(&self, activity: &Activity, report: &mut Report) -> anyhow::Result<()> {
-        let Some(seen) = self.measure_drift(activity, report).await? else {
+        let Some((figures, audit)) = self.measure_drift(activity, report).await? else {
             return Ok(());
         };
-        if let Err(err) = self.settle_in_flight(activity, report).await {
+        if audit.pending_units != 0 {
             report.refused.push(format!(
-                "repair refused: the activity's messages still in the topic could not be settled ({err:#})"
+                "repair refused: {} units are pending in Redis; next pass",
+                audit.pending_units
             ));
             return Ok(());
         }
-        let (figures, audit) = if report.in_flight_messages == 0 {
-            seen
-        } else {
-            match self.measure_drift(activity, report).await? {
-                Some(again) => again,
-                None => return Ok(()),
-            }
-        };
         self.repair(activity, figures, &audit, report).await
     }
 
@@ -777,10 +829,8 @@ impl Reconciler {
         Ok(Some(((total, live, owed), audit)))
     }
 
-    /// Repairs the drift `audit` found (read after the activity's messages
-    /// still in the topic were orders and settled), unless MySQL's figures
-    /// (`seen`: stock, live units, owed units) or Redis changed since they were
-    /// read.
+    /// Repairs the drift `audit` found, unless MySQL's figures (`seen`: stock,
+    /// live units, owed units) or Redis changed since they were read.
     async fn repair(
         &self,
         activity: &Activity,
@@ -835,12 +885,12 @@ impl Reconciler {
         let mut rebuild_waiting = false;
         loop {
             let retry = self.next_retry();
-            tokio::select! {
+            let ticked = tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {}
-                _ = tokio::time::sleep_until(retry.into()), if rebuild_waiting => {}
-                _ = wake.notified() => {}
-            }
+                _ = tick.tick() => true,
+                _ = tokio::time::sleep_until(retry.into()), if rebuild_waiting => false,
+                _ = wake.notified() => false,
+            };
             rebuild_waiting = false;
             // The lag is measured at every pass, with or without a current
             // activity, so its gauge (and the alert on it) is there from the
@@ -868,8 +918,10 @@ impl Reconciler {
                     }
                 }
             }
-            if let Err(err) = self.remove_ended().await {
-                tracing::warn!(error = %err, "removing ended sales' Redis state failed; next pass");
+            if ticked {
+                if let Err(err) = self.remove_ended().await {
+                    tracing::warn!(error = %err, "looking for ended sales to remove from Redis failed; next pass");
+                }
             }
             // Only the first set counts; later ones change nothing.
             let _ = self.first_pass.set(());
@@ -877,13 +929,17 @@ impl Reconciler {
     }
 
     /// Removes the Redis state of the sales that ended more than
-    /// `retain_after_end` ago: the keys first, then the record in MySQL, so a
-    /// removal cut short is done again on the next pass. A sale that still holds
-    /// pending reservations waits (the pass that decides them needs them). Nothing
-    /// brings a removed state back: the reconciler rebuilds only open sales, a
-    /// preload of a sale due for removal is refused, and the scripts that a late
-    /// message or a lapse runs write nothing where the stock key is missing.
-    /// Returns how many sales it removed.
+    /// `retain_after_end` ago: marked removed in MySQL first (from then on no
+    /// preload or rebuild writes it again: `rebuild` reads the mark just before
+    /// it builds), then its keys unlinked. A sale removed in the last
+    /// `REMOVE_AGAIN_WITHIN` is unlinked again at every pass, for a build that
+    /// read MySQL just before the mark and wrote after the unlink. While the
+    /// sale is still looked after, a removal waits for its pending reservations
+    /// (the pass that decides them needs them), and a waiting room's for its
+    /// loop to be done with it. Nothing else brings a removed state back: the
+    /// reconciler rebuilds only open sales, and the scripts a late message or a
+    /// lapse runs write nothing where the stock key is missing. One sale that
+    /// fails is logged and skipped. Returns how many sales it removed now.
     pub async fn remove_ended(&self) -> anyhow::Result<usize> {
         let Some(cutoff) = chrono::Duration::from_std(self.retain_after_end)
             .ok()
@@ -893,36 +949,52 @@ impl Reconciler {
         };
         let due = self
             .activities
-            .due_for_removal(cutoff, REMOVE_BATCH)
+            .due_for_removal(cutoff, REMOVE_AGAIN_WITHIN, REMOVE_BATCH)
             .await?;
         let mut removed = 0;
         for a in due {
-            // Still looked after by the passes and the room's loop (see
-            // `ActivityCache::current_activities`): a room's state is removed
-            // only once its loop is done with it, and pending reservations wait
-            // for the pass that decides them.
-            if a.ends_at + crate::activity::LOOKED_AFTER > Utc::now() {
-                if a.admission == crate::activity::Admission::WaitingRoom {
-                    continue;
-                }
-                let snapshot = self.stock.snapshot(&a.id, a.stock_shards).await?;
-                if snapshot.pending > 0 {
-                    tracing::info!(activity_id = %a.id, pending = snapshot.pending, "an ended sale's Redis state waits for its pending reservations before it is removed");
-                    continue;
+            match self.remove_one(&a).await {
+                Ok(true) => removed += 1,
+                Ok(false) => {}
+                Err(err) => {
+                    tracing::warn!(error = %format!("{err:#}"), activity_id = %a.id, "removing the ended sale's Redis state failed; next pass");
                 }
             }
-            let keys = self.stock.remove(&a.id, a.stock_shards).await?;
-            self.activities.mark_removed(&a.id).await?;
-            self.found(&a.id);
-            self.last
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&a.id);
-            metrics::counter!("flashsale_activities_removed_total").increment(1);
-            tracing::info!(activity_id = %a.id, keys, ends_at = %a.ends_at, "the ended sale's Redis state was removed");
-            removed += 1;
         }
         Ok(removed)
+    }
+
+    /// One sale of `remove_ended`; whether it was removed now (not again).
+    async fn remove_one(&self, a: &Activity) -> anyhow::Result<bool> {
+        let again = a.redis_removed_at.is_some();
+        if !again && a.ends_at + crate::activity::LOOKED_AFTER > Utc::now() {
+            if a.admission == crate::activity::Admission::WaitingRoom {
+                return Ok(false);
+            }
+            let snapshot = self.stock.snapshot(&a.id, a.stock_shards).await?;
+            if snapshot.pending > 0 {
+                tracing::info!(activity_id = %a.id, pending = snapshot.pending, "an ended sale's Redis state waits for its pending reservations before it is removed");
+                return Ok(false);
+            }
+        }
+        if !again {
+            self.activities.mark_removed(&a.id).await?;
+        }
+        let keys = self.stock.remove(&a.id, a.stock_shards).await?;
+        if again {
+            if keys > 0 {
+                tracing::warn!(activity_id = %a.id, keys, "a removed sale's Redis state was written again (a build that raced the removal); removed it again");
+            }
+            return Ok(false);
+        }
+        self.found(&a.id);
+        self.last
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&a.id);
+        metrics::counter!("flashsale_activities_removed_total").increment(1);
+        tracing::info!(activity_id = %a.id, keys, ends_at = %a.ends_at, "the ended sale's Redis state was removed");
+        Ok(true)
     }
 
     /// The consumer group's lag into `flashsale_consumer_lag_messages`; a broker

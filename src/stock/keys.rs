@@ -39,6 +39,9 @@ pub struct Keys {
     pub restock: String,
     /// The buyers' Bloom filter (see `filter.lua`).
     pub filter: String,
+    /// The reservation-status views polls cached, with their versions (see
+    /// `view_read.lua`).
+    pub views: String,
 }
 
 impl Keys {
@@ -100,6 +103,7 @@ impl Keys {
             received: format!("{base}:received"),
             restock: format!("{base}:restock"),
             filter: format!("{base}:filter"),
+            views: format!("{base}:views"),
         }
     }
 }

@@ -18,7 +18,8 @@
 //! - `pending`: reservations awaiting MySQL's decision; `refund`: units going
 //!   back;
 //! - `preload`: building from MySQL; `snapshot`: read-only views; `audit`: Redis
-//!   against MySQL, and the repair.
+//!   against MySQL, and the repair;
+//! - `views`: reservation-status polls answered without MySQL.
 
 mod audit;
 mod barrier;
@@ -36,6 +37,7 @@ mod script;
 mod snapshot;
 mod sold_out;
 mod store;
+mod views;
 
 pub use audit::{Audit, ShardAudit};
 pub use conn::{Family, RedisConn};
@@ -52,3 +54,4 @@ pub use reserve::ReserveOutcome;
 pub(crate) use script::{arg, invoke, Lua};
 pub use snapshot::StockSnapshot;
 pub use store::StockStore;
+pub use views::{Polled, ViewChange};

@@ -105,14 +105,16 @@ impl StockStore {
 
 impl StockStore {
     /// Deletes every key of the activity: each stock shard's and its waiting
-    /// room's, one `DEL` per hash tag (so one slot each on a Cluster). Returns how
+    /// room's, one `UNLINK` per hash tag (so one slot each on a Cluster). Returns how
     /// many keys there were. Nothing recreates them: the scripts that a late
     /// message or a lapse runs find the stock key missing and write nothing.
     pub async fn remove(&self, activity_id: &str, shards: u8) -> RedisResult<u64> {
         let room = super::RoomKeys::new(activity_id, shards);
         let mut removed = 0;
         for k in Keys::all(activity_id, shards) {
-            let mut del = redis::cmd("DEL");
+            // UNLINK: a million buyers' hash is freed off Redis's main thread,
+            // not while every live sale waits.
+            let mut del = redis::cmd("UNLINK");
             del.arg(&k.stock)
                 .arg(&k.buyers)
                 .arg(&k.pending)
@@ -124,7 +126,8 @@ impl StockStore {
                 .arg(&k.lent)
                 .arg(&k.received)
                 .arg(&k.restock)
-                .arg(&k.filter);
+                .arg(&k.filter)
+                .arg(&k.views);
             if k.shard == 0 {
                 del.arg(&room.all()[..]);
             }

@@ -29,6 +29,9 @@ pub struct StockStore {
     pub(super) receive: Lua,
     pub(super) loan_done: Lua,
     pub(super) filter_read: Lua,
+    pub(super) view_read: Lua,
+    pub(super) view_fill: Lua,
+    pub(super) view_change: Lua,
 }
 
 impl StockStore {
@@ -55,6 +58,9 @@ impl StockStore {
             receive: Lua::new(include_str!("receive.lua")),
             loan_done: Lua::new(include_str!("loan_done.lua")),
             filter_read: Lua::new(include_str!("filter_read.lua")),
+            view_read: Lua::new(include_str!("view_read.lua")),
+            view_fill: Lua::new(include_str!("view_fill.lua")),
+            view_change: Lua::new(include_str!("view_change.lua")),
         }
     }
 

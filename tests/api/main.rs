@@ -12,6 +12,7 @@ mod openapi;
 mod openapi_copy;
 mod ops;
 mod orders;
+mod polls;
 mod rate_limit;
 mod reconcile;
 mod reserve;

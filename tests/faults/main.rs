@@ -41,7 +41,7 @@ fn main() {
         || filters
             .iter()
             .any(|x| "campaign".contains(x.as_str()) || "faults".contains(x.as_str()));
-    let (seeds, secs) = match run_campaign.then(campaign::seeds).transpose() {
+    let seeds = match run_campaign.then(campaign::seeds).transpose() {
         Ok(picked) => picked.unwrap_or_default(),
         Err(e) => {
             eprintln!("faults: {e}");
@@ -59,13 +59,13 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let (results, outcomes) = runtime.block_on(run_all(selected, seeds, secs));
+    let (results, outcomes) = runtime.block_on(run_all(selected, seeds));
     let (mut passed, mut failed) = (0, 0);
     if !results.is_empty() {
         (passed, failed) = report(&results);
     }
     if !outcomes.is_empty() {
-        let (p, f) = campaign::report(&outcomes, secs);
+        let (p, f) = campaign::report(&outcomes);
         println!();
         println!("campaign: {p} seeds passed, {f} failed");
         passed += p;
@@ -97,8 +97,7 @@ fn selected(filters: &[String]) -> Vec<Arc<dyn Fault>> {
 /// overlap the waits on a 2-core machine.
 async fn run_all(
     selected: Vec<Arc<dyn Fault>>,
-    seeds: Vec<u64>,
-    secs: u64,
+    seeds: Vec<(u64, u64)>,
 ) -> (Vec<ScenarioResult>, Vec<campaign::Outcome>) {
     let gate = Arc::new(tokio::sync::Semaphore::new(2));
     let mut tasks = Vec::new();
@@ -117,7 +116,7 @@ async fn run_all(
     }
     // The campaign's seeds queue behind the scenarios (the gate is fair).
     let mut seed_tasks = Vec::new();
-    for seed in seeds {
+    for (seed, secs) in seeds {
         let gate = gate.clone();
         seed_tasks.push(tokio::spawn(async move {
             let _permit = gate.acquire_owned().await;

@@ -104,9 +104,17 @@ impl Fault for SaleLostBesideBusy {
             *until.lock().unwrap_or_else(|e| e.into_inner()) =
                 Some(Instant::now() + REBUILD_BOUND + BUSY_AFTER);
             if self.held_back {
-                // Down well past the bound: the lost sale came back without it.
+                // Down well past the bound: the lost sale came back without it,
+                // its rebuild having written its messages as orders itself.
                 tokio::time::sleep(REBUILD_BOUND + Duration::from_secs(1)).await;
+                let written = run
+                    .metric("flashsale_reconcile_in_flight_orders_total")
+                    .await;
                 run.start_consumer();
+                if written < 1.0 {
+                    stop.store(true, Ordering::SeqCst);
+                    return Err("the rebuild wrote none of the lost sale's messages itself".into());
+                }
             }
             let counted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
             let count = counted.clone();
