@@ -91,9 +91,7 @@ impl ActivityCache {
         self.current()
             .by_id
             .values()
-            .filter(|a| {
-                a.starts_at <= now && a.ends_at + LOOKED_AFTER > now && a.redis_removed_at.is_none()
-            })
+            .filter(|a| a.starts_at <= now && a.ends_at + LOOKED_AFTER > now && !a.redis_removing)
             .cloned()
             .collect()
     }
@@ -108,7 +106,7 @@ impl ActivityCache {
                 a.admission == super::definition::Admission::WaitingRoom
                     && a.joins_from() <= now
                     && a.ends_at + LOOKED_AFTER > now
-                    && a.redis_removed_at.is_none()
+                    && !a.redis_removing
             })
             .cloned()
             .collect()

@@ -37,8 +37,11 @@ pub struct Activity {
     /// one went back in time.
     #[serde(skip)]
     pub redis_built_epoch: u32,
-    /// When its Redis state was removed after the sale ended
-    /// (`redis.retain_after_end_secs`); it is never loaded again.
+    /// Its Redis state is being removed, or was, after the sale ended
+    /// (`redis.retain_after_end_secs`): it is never loaded again.
+    #[serde(skip)]
+    pub redis_removing: bool,
+    /// When the removal was done.
     #[serde(skip)]
     pub redis_removed_at: Option<DateTime<Utc>>,
     pub created_at: DateTime<Utc>,
@@ -105,6 +108,7 @@ impl Activity {
             auto_paused: false,
             redis_epoch: 1,
             redis_built_epoch: 1,
+            redis_removing: false,
             redis_removed_at: None,
             created_at: Utc::now(),
         }

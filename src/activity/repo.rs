@@ -12,7 +12,7 @@ use super::definition::{Activity, Build, ValidActivity};
 const COLUMNS: &str = "id, sku, stock, available, per_user_limit, stock_shards, \
                        CAST(admission AS CHAR) AS admission, \
                        waiting_room_secs, starts_at, ends_at, payment_timeout_secs, paused, \
-                       auto_paused, redis_epoch, redis_built_epoch, redis_removed_at, created_at";
+                       auto_paused, redis_epoch, redis_built_epoch, redis_removing, redis_removed_at, created_at";
 
 /// Why a top-up was refused.
 #[derive(Debug, thiserror::Error)]
@@ -131,34 +131,41 @@ impl ActivityRepo {
         .await
     }
 
-    /// Activities that ended before `ended_before` and whose Redis state may
-    /// still be there (not removed, or removed within `again_within`: see
-    /// `Reconciler::remove_ended`), the longest ended first, at most `limit`.
-    /// Reads only those rows (`idx_activities_retention`), however many sales
-    /// were ever held.
+    /// Removals begun and not done (first), then activities that ended before
+    /// `ended_before` and whose removal has not begun, the longest ended first;
+    /// at most `limit` of each. Reads only those rows
+    /// (`idx_activities_retention`), however many sales were ever held.
     pub async fn due_for_removal(
         &self,
         ended_before: DateTime<Utc>,
-        again_within: std::time::Duration,
         limit: u32,
     ) -> Result<Vec<Activity>, sqlx::Error> {
-        let again_since = Utc::now()
-            - chrono::Duration::from_std(again_within).unwrap_or_else(|_| chrono::Duration::zero());
         sqlx::query_as(&format!(
             "(SELECT {COLUMNS} FROM activities \
-              WHERE redis_removed_at IS NULL AND ends_at < ? ORDER BY ends_at LIMIT ?) \
+              WHERE redis_removing = TRUE AND redis_removed_at IS NULL LIMIT ?) \
              UNION ALL \
-             (SELECT {COLUMNS} FROM activities WHERE redis_removed_at > ? LIMIT ?)"
+             (SELECT {COLUMNS} FROM activities \
+              WHERE redis_removing = FALSE AND redis_removed_at IS NULL AND ends_at < ? \
+              ORDER BY ends_at LIMIT ?)"
         ))
-        .bind(ended_before.naive_utc())
         .bind(limit)
-        .bind(again_since.naive_utc())
+        .bind(ended_before.naive_utc())
         .bind(limit)
         .fetch_all(&self.pool)
         .await
     }
 
-    /// Records that the activity's Redis state was removed for good (once).
+    /// The first step of a removal: from now on no build writes the activity's
+    /// Redis state again (`Reconciler::past_retention`).
+    pub async fn mark_removing(&self, id: &str) -> Result<(), sqlx::Error> {
+        sqlx::query("UPDATE activities SET redis_removing = TRUE WHERE id = ?")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// The last step: the keys are gone and their marker is in place.
     pub async fn mark_removed(&self, id: &str) -> Result<(), sqlx::Error> {
         sqlx::query(
             "UPDATE activities SET redis_removed_at = NOW(3) WHERE id = ? AND redis_removed_at IS NULL",

@@ -75,8 +75,8 @@ pub async fn pay(
     // the order and none is cached until the change is committed (see
     // `stock::views`); without Redis the payment waits (503, nothing changed).
     let changing = order.status == OrderStatus::PendingPayment;
-    if changing {
-        state
+    if changing
+        && !state
             .stock
             .view_change(
                 &order.activity_id,
@@ -85,7 +85,11 @@ pub async fn pay(
                 ViewChange::Begin,
             )
             .await
-            .map_err(redis_down)?;
+            .map_err(redis_down)?
+    {
+        return Err(AppError::Unavailable(
+            "the stock store's replicas did not answer; nothing was paid, retry shortly",
+        ));
     }
     let paid = state.orders.pay(id, &user.id).await;
     if changing {

@@ -519,11 +519,11 @@ impl GroupProbe {
         let mut end: HashMap<i32, i64> = HashMap::new();
         for p in &offsets {
             let high = p.committed + p.lag;
-            let start = from
-                .get(&p.partition)
-                .copied()
-                .unwrap_or(0)
-                .max(p.committed);
+            // Where the last read stopped, unless the partition's offsets went
+            // back below it since (a topic made anew, a log truncated by an
+            // unclean election): then from the committed offset again.
+            let resumed = from.get(&p.partition).copied().filter(|at| *at <= high);
+            let start = resumed.unwrap_or(0).max(p.committed);
             found.next.insert(p.partition, start);
             if start < high {
                 end.insert(p.partition, high);

@@ -295,6 +295,20 @@ impl OrderRepo {
         Ok(n)
     }
 
+    /// How many of these reservations MySQL holds as orders (of any status).
+    pub async fn count_orders_of(&self, reservation_ids: &[String]) -> Result<i64, sqlx::Error> {
+        if reservation_ids.is_empty() {
+            return Ok(0);
+        }
+        let placeholders = vec!["?"; reservation_ids.len()].join(",");
+        let sql = format!("SELECT COUNT(*) FROM orders WHERE reservation_id IN ({placeholders})");
+        let mut q = sqlx::query_as::<_, (i64,)>(&sql);
+        for id in reservation_ids {
+            q = q.bind(id);
+        }
+        Ok(q.fetch_one(&self.pool).await?.0)
+    }
+
     /// Units held by live orders (awaiting payment or paid) of an activity.
     pub async fn live_units(&self, activity_id: &str) -> Result<i64, sqlx::Error> {
         let (n,): (i64,) = sqlx::query_as(

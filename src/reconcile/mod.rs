@@ -52,11 +52,12 @@ const EXPIRED_BATCH: usize = 500;
 const REBUILD_RETRY: Duration = Duration::from_millis(250);
 /// How long one pass keeps retrying MySQL for the orders it honours.
 const HONOUR_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pending reservations a drift repair checks against MySQL, at most (with
+/// more pending, the repair waits for a quieter pass).
+const REPAIR_PENDING_CHECKED: usize = 5_000;
 /// Sales whose Redis state is removed in one pass, at most (the others wait for
 /// the next).
 const REMOVE_BATCH: u32 = 20;
-/// How long after its removal a sale's keys are unlinked again at every pass.
-const REMOVE_AGAIN_WITHIN: Duration = Duration::from_secs(60);
 /// A transfer between stock shards older than this was left half done by its
 /// borrower (a borrower finishes its own within one round trip).
 const TRANSFER_GRACE_MS: i64 = 2_000;
@@ -309,7 +310,7 @@ impl Reconciler {
     /// Whether the sale ended longer ago than `redis.retain_after_end_secs`, or
     /// its state was removed: it is never loaded into Redis again.
     pub fn past_retention(&self, activity: &Activity) -> bool {
-        activity.redis_removed_at.is_some()
+        activity.redis_removing
             || chrono::Duration::from_std(self.retain_after_end)
                 .ok()
                 .and_then(|retain| activity.ends_at.checked_add_signed(retain))
@@ -349,26 +350,30 @@ impl Reconciler {
     }
 
     pub async fn reconcile_activity(&self, activity: &Activity) -> anyhow::Result<Report> {
+        let lag = self.measure_lag().await;
+        self.pass(activity, lag).await
+    }
+
+    /// One activity's pass, with the consumers' lag as the caller read it (for
+    /// the report: no decision rests on it).
+    async fn pass(&self, activity: &Activity, consumer_lag: Option<i64>) -> anyhow::Result<Report> {
         metrics::counter!("flashsale_reconcile_runs_total").increment(1);
         let mut report = Report {
             activity_id: activity.id.clone(),
             checked_at: Utc::now(),
+            consumer_lag,
             ..Report::default()
         };
         // MySQL's record of the builds first, then Redis: a build recorded before
         // Redis is read is in what Redis shows, unless Redis went back in time.
         let fresh = self.reread(&activity.id).await?;
-        // Redis, then the lag: a rebuild needs every message published before the
-        // loss was seen to have reached MySQL.
         let snapshot = self
             .stock
             .snapshot(&activity.id, activity.stock_shards)
             .await?;
         // Redis had lost the activity by the time it answered (if it had): the
-        // wait for publishes in flight at the loss counts from here, and a lag
-        // read after it began counts every publish acknowledged before.
-        let lag_measured = Instant::now();
-        report.consumer_lag = self.measure_lag().await;
+        // wait for publishes in flight at the loss counts from here.
+        let lost_seen = Instant::now();
         report.loaded = snapshot.loaded();
         if !report.loaded {
             // A split activity with some shards lost: the others still sell and
@@ -378,8 +383,7 @@ impl Reconciler {
             } else {
                 PreloadMode::Missing
             };
-            self.recover(&fresh, mode, lag_measured, &mut report)
-                .await?;
+            self.recover(&fresh, mode, lost_seen, &mut report).await?;
             return Ok(report);
         }
         // A state older than MySQL's last build written: a primary that went back
@@ -391,7 +395,7 @@ impl Reconciler {
                 report.stale = true;
                 metrics::counter!("flashsale_redis_stale_state_total").increment(1);
                 tracing::error!(incident = true, activity_id = %activity.id, epoch, mysql_epoch, "Redis holds an older build of the activity");
-                self.recover(&fresh, PreloadMode::Force, lag_measured, &mut report)
+                self.recover(&fresh, PreloadMode::Force, lost_seen, &mut report)
                     .await?;
                 return Ok(report);
             }
@@ -448,7 +452,7 @@ impl Reconciler {
         &self,
         activity: &Activity,
         mode: PreloadMode,
-        lag_measured: Instant,
+        lost_seen: Instant,
         report: &mut Report,
     ) -> anyhow::Result<()> {
         if activity.window(Utc::now()) != Window::Open {
@@ -460,7 +464,7 @@ impl Reconciler {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .entry(activity.id.clone())
-            .or_insert(lag_measured);
+            .or_insert(lost_seen);
         let in_flight = self.in_flight();
         if !activity.paused {
             report.paused_automatically = self
@@ -472,7 +476,7 @@ impl Reconciler {
                 metrics::counter!("flashsale_activity_auto_paused_total").increment(1);
             }
         }
-        if lag_measured.saturating_duration_since(since) < in_flight {
+        if lost_seen.saturating_duration_since(since) < in_flight {
             report.rebuild_waiting = true;
             report.refused.push(format!(
                 "rebuild waits out publishes that were in flight when the loss was seen ({in_flight:?})"
@@ -612,6 +616,9 @@ impl Reconciler {
         }
         Ok(if built {
             Rebuild::Built(build)
+        } else if self.past_retention(&self.reread(&activity.id).await?) {
+            // Left alone for the marker of a removal that began meanwhile.
+            Rebuild::Removed
         } else {
             Rebuild::AlreadyLoaded
         })
@@ -759,25 +766,45 @@ impl Reconciler {
         ))
     }
 
-    /// Compares Redis with MySQL, and repairs a drift when it is safe: only
-    /// while Redis holds no pending reservation of the sale. A reservation the
-    /// consumers wrote to MySQL and have not settled in Redis yet is counted by
-    /// MySQL's live units and by Redis's pending units at once, which reads as
-    /// drift that is not; with none pending, every reservation of the sale is
-    /// an order, a withdrawal or a refund on both sides (a message still in the
-    /// topic is then a duplicate, or superseded), and what is left to guard is
-    /// MySQL or Redis changing during the check. A busy sale is repaired in the
-    /// first lull; the drift is reported meanwhile.
+    /// Compares Redis with MySQL, and repairs a drift when it is safe. A
+    /// reservation the consumers wrote to MySQL and have not settled in Redis
+    /// yet is counted by MySQL's live units and by Redis's pending units at
+    /// once, which reads as drift that is not: so a repair waits while any
+    /// reservation pending in Redis (read after the audit) is an order in
+    /// MySQL. One settled in between changes the pending units the repair's
+    /// compare-and-set checks, and one written in between changes the live
+    /// units MySQL is read for again. A message of the sale still in the topic
+    /// needs no wait: its reservation is pending in Redis (counted once), or
+    /// decided in MySQL already (its message a duplicate, or superseded).
     async fn audit(&self, activity: &Activity, report: &mut Report) -> anyhow::Result<()> {
         let Some((figures, audit)) = self.measure_drift(activity, report).await? else {
             return Ok(());
         };
         if audit.pending_units != 0 {
-            report.refused.push(format!(
-                "repair refused: {} units are pending in Redis; next pass",
-                audit.pending_units
-            ));
-            return Ok(());
+            let pending = self
+                .stock
+                .expired_pending(
+                    &activity.id,
+                    activity.stock_shards,
+                    i64::MAX,
+                    REPAIR_PENDING_CHECKED,
+                )
+                .await?;
+            if pending.len() >= REPAIR_PENDING_CHECKED {
+                report.refused.push(format!(
+                    "repair refused: {} or more reservations pending in Redis; next pass",
+                    pending.len()
+                ));
+                return Ok(());
+            }
+            let ids: Vec<String> = pending.into_iter().map(|p| p.reservation_id).collect();
+            let unsettled = self.orders.count_orders_of(&ids).await?;
+            if unsettled > 0 {
+                report.refused.push(format!(
+                    "repair refused: {unsettled} reservations pending in Redis are orders in MySQL, not settled yet; next pass"
+                ));
+                return Ok(());
+            }
         }
         self.repair(activity, figures, &audit, report).await
     }
@@ -895,9 +922,28 @@ impl Reconciler {
             // The lag is measured at every pass, with or without a current
             // activity, so its gauge (and the alert on it) is there from the
             // first pass after a start.
-            self.measure_lag().await;
-            for activity in cache.current_activities(Utc::now()) {
-                match self.reconcile_activity(&activity).await {
+            let lag = self.measure_lag().await;
+            let started = Instant::now();
+            let now = Utc::now();
+            let lost: std::collections::HashSet<String> = self
+                .lost_since
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .keys()
+                .cloned()
+                .collect();
+            let mut passed = 0u32;
+            for activity in cache.current_activities(now) {
+                match self.due(&activity, ticked, &lost, now).await {
+                    Ok(true) => {}
+                    Ok(false) => continue,
+                    Err(err) => {
+                        tracing::warn!(error = %err, activity_id = %activity.id, "reconcile look failed");
+                        continue;
+                    }
+                }
+                passed += 1;
+                match self.pass(&activity, lag).await {
                     Ok(r) if r.rebuild_waiting => {
                         rebuild_waiting = true;
                         tracing::info!(report = ?r, "reconcile pass; the rebuild waits");
@@ -918,6 +964,9 @@ impl Reconciler {
                     }
                 }
             }
+            metrics::gauge!("flashsale_reconcile_pass_activities").set(f64::from(passed));
+            metrics::histogram!("flashsale_reconcile_pass_seconds")
+                .record(started.elapsed().as_secs_f64());
             if ticked {
                 if let Err(err) = self.remove_ended().await {
                     tracing::warn!(error = %err, "looking for ended sales to remove from Redis failed; next pass");
@@ -929,17 +978,19 @@ impl Reconciler {
     }
 
     /// Removes the Redis state of the sales that ended more than
-    /// `retain_after_end` ago: marked removed in MySQL first (from then on no
-    /// preload or rebuild writes it again: `rebuild` reads the mark just before
-    /// it builds), then its keys unlinked. A sale removed in the last
-    /// `REMOVE_AGAIN_WITHIN` is unlinked again at every pass, for a build that
-    /// read MySQL just before the mark and wrote after the unlink. While the
-    /// sale is still looked after, a removal waits for its pending reservations
-    /// (the pass that decides them needs them), and a waiting room's for its
-    /// loop to be done with it. Nothing else brings a removed state back: the
-    /// reconciler rebuilds only open sales, and the scripts a late message or a
-    /// lapse runs write nothing where the stock key is missing. One sale that
-    /// fails is logged and skipped. Returns how many sales it removed now.
+    /// `retain_after_end` ago, in two steps: marked removing in MySQL first
+    /// (from then on no preload or rebuild begins to write it: `rebuild` reads
+    /// the mark just before it builds), then each shard's keys unlinked in one
+    /// atomic step that leaves a marker no build writes over (`remove.lua`, which
+    /// a build that read MySQL before the mark meets in `preload.lua`), then
+    /// marked removed. A removal cut short (Redis unreachable) is taken up again
+    /// at the next pass, before any new one. While the sale is still looked
+    /// after, a removal waits for its pending reservations (the pass that
+    /// decides them needs them), and a waiting room's for its loop to be done
+    /// with it. Nothing else brings a removed state back: the reconciler
+    /// rebuilds only open sales, and the scripts a late message or a lapse runs
+    /// write nothing where the stock key is missing. One sale that fails is
+    /// logged and skipped. Returns how many sales it removed.
     pub async fn remove_ended(&self) -> anyhow::Result<usize> {
         let Some(cutoff) = chrono::Duration::from_std(self.retain_after_end)
             .ok()
@@ -949,7 +1000,7 @@ impl Reconciler {
         };
         let due = self
             .activities
-            .due_for_removal(cutoff, REMOVE_AGAIN_WITHIN, REMOVE_BATCH)
+            .due_for_removal(cutoff, REMOVE_BATCH)
             .await?;
         let mut removed = 0;
         for a in due {
@@ -964,29 +1015,23 @@ impl Reconciler {
         Ok(removed)
     }
 
-    /// One sale of `remove_ended`; whether it was removed now (not again).
+    /// One sale of `remove_ended`; whether it was removed now.
     async fn remove_one(&self, a: &Activity) -> anyhow::Result<bool> {
-        let again = a.redis_removed_at.is_some();
-        if !again && a.ends_at + crate::activity::LOOKED_AFTER > Utc::now() {
-            if a.admission == crate::activity::Admission::WaitingRoom {
-                return Ok(false);
+        if !a.redis_removing {
+            if a.ends_at + crate::activity::LOOKED_AFTER > Utc::now() {
+                if a.admission == crate::activity::Admission::WaitingRoom {
+                    return Ok(false);
+                }
+                let snapshot = self.stock.snapshot(&a.id, a.stock_shards).await?;
+                if snapshot.pending > 0 {
+                    tracing::info!(activity_id = %a.id, pending = snapshot.pending, "an ended sale's Redis state waits for its pending reservations before it is removed");
+                    return Ok(false);
+                }
             }
-            let snapshot = self.stock.snapshot(&a.id, a.stock_shards).await?;
-            if snapshot.pending > 0 {
-                tracing::info!(activity_id = %a.id, pending = snapshot.pending, "an ended sale's Redis state waits for its pending reservations before it is removed");
-                return Ok(false);
-            }
-        }
-        if !again {
-            self.activities.mark_removed(&a.id).await?;
+            self.activities.mark_removing(&a.id).await?;
         }
         let keys = self.stock.remove(&a.id, a.stock_shards).await?;
-        if again {
-            if keys > 0 {
-                tracing::warn!(activity_id = %a.id, keys, "a removed sale's Redis state was written again (a build that raced the removal); removed it again");
-            }
-            return Ok(false);
-        }
+        self.activities.mark_removed(&a.id).await?;
         self.found(&a.id);
         self.last
             .lock()
@@ -995,6 +1040,39 @@ impl Reconciler {
         metrics::counter!("flashsale_activities_removed_total").increment(1);
         tracing::info!(activity_id = %a.id, keys, ends_at = %a.ends_at, "the ended sale's Redis state was removed");
         Ok(true)
+    }
+
+    /// Whether an activity needs a full pass now, after one look at Redis (no
+    /// MySQL): a sale that lost its state (or that this instance saw lost)
+    /// always; otherwise only at the interval's tick (a rebuild's retry and
+    /// the API's wake-up are for lost sales), and then an open sale always, an
+    /// ended one only while a reservation of it is pending (nothing else of an
+    /// ended sale needs the reconciler: a lost one is not rebuilt, a late
+    /// message or lapse is the consumer's and the sweeper's). So the pass costs
+    /// what the live sales cost, however many ended in the last hour.
+    async fn due(
+        &self,
+        activity: &Activity,
+        ticked: bool,
+        lost: &std::collections::HashSet<String>,
+        now: chrono::DateTime<Utc>,
+    ) -> anyhow::Result<bool> {
+        if lost.contains(&activity.id) {
+            return Ok(true);
+        }
+        let open = activity.window(now) == Window::Open;
+        if !ticked && !open {
+            return Ok(false);
+        }
+        let snapshot = self
+            .stock
+            .snapshot(&activity.id, activity.stock_shards)
+            .await?;
+        Ok(match (open, snapshot.loaded()) {
+            (true, false) => true,
+            (true, true) => ticked,
+            (false, _) => snapshot.pending > 0,
+        })
     }
 
     /// The consumer group's lag into `flashsale_consumer_lag_messages`; a broker

@@ -42,6 +42,9 @@ pub struct Keys {
     /// The reservation-status views polls cached, with their versions (see
     /// `view_read.lua`).
     pub views: String,
+    /// Left, with an expiry, where a finished sale's state was removed: no
+    /// build writes the state again (`preload.lua`).
+    pub removed: String,
 }
 
 impl Keys {
@@ -104,6 +107,7 @@ impl Keys {
             restock: format!("{base}:restock"),
             filter: format!("{base}:filter"),
             views: format!("{base}:views"),
+            removed: format!("{base}:removed"),
         }
     }
 }

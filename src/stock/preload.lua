@@ -21,9 +21,15 @@
 -- ARGV[6+2n ..] reservation ids of failed and cancelled orders: MySQL's available
 --         count has their units already, so a late refund of one is a no-op
 --
+-- KEYS[12] removed: the marker a finished sale's removal leaves (see
+-- StockStore::remove); with it, nothing is built
+--
 -- Returns 1 when built, 0 when "missing" found the activity loaded or "force"
--- found it selling.
+-- found it selling, or the sale's state was removed for good.
 -- Running it twice gives the same state.
+if redis.call("EXISTS", KEYS[12]) == 1 then
+  return 0
+end
 if ARGV[3] == "missing" and redis.call("EXISTS", KEYS[1]) == 1 and redis.call("EXISTS", KEYS[6]) == 1 then
   return 0
 end

@@ -70,6 +70,7 @@ impl StockStore {
                         &k.received,
                         &k.restock,
                         &k.filter,
+                        &k.removed,
                     ],
                     &args,
                 )
@@ -103,36 +104,43 @@ impl StockStore {
     }
 }
 
+/// How long the marker of a removed sale's state stays (`StockStore::remove`).
+pub const REMOVED_MARKER: std::time::Duration = std::time::Duration::from_secs(86_400);
+
 impl StockStore {
     /// Deletes every key of the activity: each stock shard's and its waiting
-    /// room's, one `UNLINK` per hash tag (so one slot each on a Cluster). Returns how
-    /// many keys there were. Nothing recreates them: the scripts that a late
-    /// message or a lapse runs find the stock key missing and write nothing.
+    /// room's, one `UNLINK` per hash tag (so one slot each on a Cluster), and
+    /// leaves in their place a marker that keeps any build from writing them
+    /// again (`preload.lua`) for `REMOVED_MARKER` (longer than any build takes).
+    /// Returns how many keys there were. Nothing else recreates them: the
+    /// scripts that a late message or a lapse runs find the stock key missing
+    /// and write nothing.
     pub async fn remove(&self, activity_id: &str, shards: u8) -> RedisResult<u64> {
         let room = super::RoomKeys::new(activity_id, shards);
         let mut removed = 0;
         for k in Keys::all(activity_id, shards) {
-            // UNLINK: a million buyers' hash is freed off Redis's main thread,
-            // not while every live sale waits.
-            let mut del = redis::cmd("UNLINK");
-            del.arg(&k.stock)
-                .arg(&k.buyers)
-                .arg(&k.pending)
-                .arg(&k.res)
-                .arg(&k.refunded)
-                .arg(&k.state)
-                .arg(&k.epoch)
-                .arg(&k.barrier)
-                .arg(&k.lent)
-                .arg(&k.received)
-                .arg(&k.restock)
-                .arg(&k.filter)
-                .arg(&k.views);
+            let mut keys: Vec<&str> = vec![
+                &k.removed,
+                &k.stock,
+                &k.buyers,
+                &k.pending,
+                &k.res,
+                &k.refunded,
+                &k.state,
+                &k.epoch,
+                &k.barrier,
+                &k.lent,
+                &k.received,
+                &k.restock,
+                &k.filter,
+                &k.views,
+            ];
             if k.shard == 0 {
-                del.arg(&room.all()[..]);
+                keys.extend(room.all());
             }
-            let mut conn = self.conn.clone();
-            let n: u64 = del.query_async(&mut conn).await?;
+            let n: u64 = self
+                .run(&self.remove, &keys, &[arg(REMOVED_MARKER.as_secs())])
+                .await?;
             removed += n;
         }
         Ok(removed)

@@ -32,6 +32,7 @@ pub struct StockStore {
     pub(super) view_read: Lua,
     pub(super) view_fill: Lua,
     pub(super) view_change: Lua,
+    pub(super) remove: Lua,
 }
 
 impl StockStore {
@@ -61,6 +62,7 @@ impl StockStore {
             view_read: Lua::new(include_str!("view_read.lua")),
             view_fill: Lua::new(include_str!("view_fill.lua")),
             view_change: Lua::new(include_str!("view_change.lua")),
+            remove: Lua::new(include_str!("remove.lua")),
         }
     }
 

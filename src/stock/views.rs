@@ -86,27 +86,34 @@ impl StockStore {
     }
 
     /// Marks a change of the user's order, on the shard of its reservation
-    /// (the user's home shard).
+    /// (the user's home shard). `Begin` waits, where replicas are required
+    /// (`redis.min_replicas_acked`), until they hold the mark: a failover to a
+    /// replica that missed it would serve a view cached before the change.
+    /// Returns `false` only when that wait failed (the change must not be made).
     pub async fn view_change(
         &self,
         activity_id: &str,
         reservation_id: &str,
         user_id: &str,
         phase: ViewChange,
-    ) -> RedisResult<()> {
+    ) -> RedisResult<bool> {
         let k = Keys::of_reservation(activity_id, reservation_id);
         let phase = match phase {
             ViewChange::Begin => "begin",
             ViewChange::End => "end",
         };
-        let _: i64 = self
+        let version: i64 = self
             .run(
                 &self.view_change,
                 &[&k.stock, &k.views],
                 &[arg(user_id), arg(phase)],
             )
             .await?;
-        Ok(())
+        // Not loaded: nothing is cached there, nothing to wait for.
+        if phase != "begin" || version < 0 {
+            return Ok(true);
+        }
+        self.replicated(activity_id, user_id, reservation_id).await
     }
 }
 

@@ -316,7 +316,7 @@ impl WaitingRoom {
             Joined::Rebuilding => None,
             Joined::Now { seq, kind } => {
                 if let Ok(n) = seq.parse() {
-                    self.joins.record(&a.id, user, &kind, n).await;
+                    self.joins.record(&a.id, &gen, user, &kind, n).await;
                 }
                 self.early.learn(a, user, &seq, &place, &gen, now);
                 Some((place, true))
@@ -508,22 +508,48 @@ impl WaitingRoom {
         Ok(n)
     }
 
+    /// The room's generation: which life in Redis it is (`None`: no room
+    /// there).
+    async fn generation(&self, a: &Activity) -> redis::RedisResult<Option<String>> {
+        let keys = RoomKeys::new(&a.id, a.stock_shards);
+        let mut conn = self.conn.clone();
+        redis::cmd("HGET")
+            .arg(&keys.meta)
+            .arg("gen")
+            .query_async(&mut conn)
+            .await
+    }
+
     /// The draw, in MySQL then in Redis, unless Redis has it already.
     async fn ensure_drawn(&self, a: &Activity) -> anyhow::Result<()> {
         let keys = RoomKeys::new(&a.id, a.stock_shards);
         let mut conn = self.conn.clone();
-        let committed: bool = redis::cmd("HEXISTS")
-            .arg(&keys.meta)
-            .arg("seed")
+        let (committed, gen): (bool, Option<String>) = redis::pipe()
+            .hexists(&keys.meta, "seed")
+            .hget(&keys.meta, "gen")
             .query_async(&mut conn)
             .await?;
         if committed {
             return Ok(());
         }
-        // What MySQL knows first (a room rebuilt after a loss): the draw, the
-        // late joiners and settled turns, and so the highest arrival number.
-        let recorded = load_draw(&self.pool, &a.id).await?;
-        let restored = load_journal(&self.pool, &a.id).await?;
+        // A room Redis never lost (every row MySQL journalled of it is of its
+        // life in Redis now) holds every join: it seals and draws from Redis
+        // alone, and another instance's draw recorded first is taken when this
+        // one's record loses (`new_draw`). Only a room that was lost reads back
+        // what MySQL knows of it: the draw, the joiners and settled turns, and so
+        // the highest arrival number.
+        let whole = match &gen {
+            Some(gen) => !other_lives(&self.pool, &a.id, gen).await?,
+            None => false,
+        };
+        let (recorded, restored) = if whole {
+            (None, Vec::new())
+        } else {
+            (
+                load_draw(&self.pool, &a.id).await?,
+                load_journal(&self.pool, &a.id).await?,
+            )
+        };
         let highest = recorded
             .iter()
             .flat_map(|(_, order)| order.iter().map(|(_, seq)| *seq))
@@ -654,6 +680,10 @@ impl WaitingRoom {
     /// only once MySQL has them, and only by a holder whose lock still stands).
     async fn copy_journal(&self, a: &Activity) -> anyhow::Result<()> {
         let token = uuid::Uuid::new_v4().to_string();
+        // Read before the entries: if Redis lost the room in between, entries of
+        // its next life are labelled with this one, which only makes the draw
+        // read the journal back (never the other way round).
+        let gen = self.generation(a).await?.unwrap_or_default();
         let lock_ms = JOURNAL_LOCK.as_millis().to_string();
         for _ in 0..JOURNAL_BATCHES {
             let entries: Vec<String> = self
@@ -667,7 +697,7 @@ impl WaitingRoom {
                 return Ok(());
             }
             let rows: Vec<JournalRow> = entries.iter().filter_map(|e| parse_entry(e)).collect();
-            record_journal(&self.pool, &a.id, &rows).await?;
+            record_journal(&self.pool, &a.id, &gen, &rows).await?;
             let _: Vec<i64> = self
                 .run(
                     a,
@@ -695,6 +725,8 @@ struct JoinRecorder {
 
 struct PendingJoin {
     activity_id: String,
+    /// The room's generation in Redis the join was answered from.
+    gen: String,
     row: JournalRow,
     done: tokio::sync::oneshot::Sender<()>,
 }
@@ -716,16 +748,16 @@ impl JoinRecorder {
                         _ => break,
                     }
                 }
-                let mut by_activity: HashMap<String, Vec<PendingJoin>> = HashMap::new();
+                let mut by_room: HashMap<(String, String), Vec<PendingJoin>> = HashMap::new();
                 for join in batch {
-                    by_activity
-                        .entry(join.activity_id.clone())
+                    by_room
+                        .entry((join.activity_id.clone(), join.gen.clone()))
                         .or_default()
                         .push(join);
                 }
-                for (activity_id, joins) in by_activity {
+                for ((activity_id, gen), joins) in by_room {
                     let rows: Vec<JournalRow> = joins.iter().map(|j| j.row.clone()).collect();
-                    match record_journal(&pool, &activity_id, &rows).await {
+                    match record_journal(&pool, &activity_id, &gen, &rows).await {
                         Ok(()) => {
                             for join in joins {
                                 let _ = join.done.send(());
@@ -742,10 +774,11 @@ impl JoinRecorder {
     }
 
     /// Records a join and waits for it, at most [`JOIN_RECORD_TIMEOUT`].
-    async fn record(&self, activity_id: &str, user: &str, kind: &str, seq: u64) {
+    async fn record(&self, activity_id: &str, gen: &str, user: &str, kind: &str, seq: u64) {
         let (done, recorded) = tokio::sync::oneshot::channel();
         let join = PendingJoin {
             activity_id: activity_id.to_owned(),
+            gen: gen.to_owned(),
             row: (user.to_owned(), kind.to_owned(), seq),
             done,
         };
@@ -772,30 +805,51 @@ fn parse_entry(entry: &str) -> Option<JournalRow> {
     Some((user.to_owned(), what.to_owned(), seq))
 }
 
+/// Records journal rows of the room's life `gen` in Redis ("" when unknown:
+/// such a row counts as another life's, and the draw reads the journal back).
 async fn record_journal(
     pool: &MySqlPool,
     activity_id: &str,
+    gen: &str,
     rows: &[JournalRow],
 ) -> anyhow::Result<()> {
     if rows.is_empty() {
         return Ok(());
     }
     let mut q = sqlx::QueryBuilder::new(
-        "INSERT IGNORE INTO waiting_room_journal (activity_id, user_id, kind, joined_seq, recorded_at) ",
+        "INSERT IGNORE INTO waiting_room_journal (activity_id, user_id, kind, joined_seq, recorded_at, gen) ",
     );
     let at = Utc::now().naive_utc();
+    let gen = (!gen.is_empty()).then_some(gen);
     q.push_values(rows, |mut b, (user, what, seq)| {
         b.push_bind(activity_id)
             .push_bind(user)
             .push_bind(what)
             .push_bind(*seq)
-            .push_bind(at);
+            .push_bind(at)
+            .push_bind(gen);
     });
     q.build()
         .execute(pool)
         .await
         .context("recording the waiting room's journal")?;
     Ok(())
+}
+
+/// Whether MySQL journalled anything of the room from a life in Redis other
+/// than `gen` (or from before lives were recorded): then Redis lost it once.
+async fn other_lives(pool: &MySqlPool, activity_id: &str, gen: &str) -> anyhow::Result<bool> {
+    let found: Option<i32> = sqlx::query_scalar(
+        "SELECT 1 FROM waiting_room_journal \
+         WHERE activity_id = ? AND (gen IS NULL OR gen < ? OR gen > ?) LIMIT 1",
+    )
+    .bind(activity_id)
+    .bind(gen)
+    .bind(gen)
+    .fetch_optional(pool)
+    .await
+    .context("looking for the room's other lives")?;
+    Ok(found.is_some())
 }
 
 /// What a rebuilt room gets back: every buyer of the sale (`reserved`), the

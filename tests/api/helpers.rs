@@ -22,7 +22,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use reqwest::{RequestBuilder, Response, StatusCode};
 use secrecy::{ExposeSecret, SecretString};
-use serde_json::Value;
+use serde_json::{json, Value};
 use testkit::api::Api;
 use testkit::database::TestDatabase;
 use testkit::invariants::Answer;
@@ -577,6 +577,33 @@ impl TestApp {
         testkit::sale::open_sale(&self.api.client, &self.address, &self.admin_token(), spec)
             .await
             .expect("a sale opens")
+    }
+
+    /// A sale selling now (one per user) that ends `ends_in` from now, loaded
+    /// into Redis.
+    pub async fn open_sale_ending(
+        &self,
+        stock: u32,
+        ends_in: Duration,
+        payment_timeout_secs: u32,
+    ) -> Sale {
+        let now = chrono::Utc::now();
+        let sku = testkit::unique("sku-");
+        let resp = self
+            .create_activity(json!({
+                "sku": sku,
+                "stock": stock,
+                "per_user_limit": 1,
+                "starts_at": now - chrono::Duration::seconds(5),
+                "ends_at": now + chrono::Duration::from_std(ends_in).expect("a short window"),
+                "payment_timeout_secs": payment_timeout_secs,
+            }))
+            .await;
+        assert_eq!(resp.status(), StatusCode::CREATED);
+        let body: Value = resp.json().await.expect("JSON");
+        let id = body["id"].as_str().expect("id").to_owned();
+        assert_eq!(self.preload(&id).await.status(), StatusCode::OK);
+        Sale { id, sku, shards: 1 }
     }
 
     /// Fires `clicks` concurrent reserve requests for each of `users` users, at

@@ -406,3 +406,46 @@ async fn stored(app: &TestApp, id: &str) -> flashsale::activity::Activity {
         .expect("query")
         .expect("activity")
 }
+
+/// A pass costs what the live sales cost: an ended sale with nothing pending is
+/// looked at in Redis alone and never passed in full, however often the
+/// reconciler runs, while the live sale beside it is.
+#[tokio::test]
+async fn an_ended_sale_with_nothing_pending_is_left_out_of_the_passes() {
+    let app = with_workers().reconciler_every(1).spawn().await;
+    let live = app.open_sale(5, 1).await;
+    let ended = app
+        .open_sale_ending(5, std::time::Duration::from_secs(3), 900)
+        .await;
+    app.reserve_accepted(&ended.sku, "early").await;
+    app.wait_for_orders(&ended.id, 1).await;
+    eventually(WAIT, "the sale to end with nothing pending", || async {
+        let state = app.sale_state(&ended.sku).await;
+        let pending = app.redis_snapshot(&ended).await.pending;
+        (state["state"] == "ended" && pending == 0).then_some(())
+    })
+    .await;
+    let before = app
+        .state
+        .reconciler
+        .last_report(&ended.id)
+        .map(|r| r.checked_at);
+    let from = chrono::Utc::now();
+    // Two full passes of the live sale from now on.
+    for _ in 0..2 {
+        let since = chrono::Utc::now();
+        eventually(WAIT, "a pass over the live sale", || async {
+            let r = app.state.reconciler.last_report(&live.id)?;
+            (r.checked_at > since).then_some(())
+        })
+        .await;
+    }
+    let after = app
+        .state
+        .reconciler
+        .last_report(&ended.id)
+        .map(|r| r.checked_at);
+    assert_eq!(after, before, "no full pass over the ended sale");
+    assert!(after.is_none_or(|t| t < from));
+    app.stop().await;
+}

@@ -1009,3 +1009,52 @@ async fn a_reservation_made_in_a_turn_that_ran_out_stands() {
     assert!(p.get("admitted_until").is_none(), "{p}");
     app.stop().await;
 }
+
+/// A room Redis never lost is sealed and drawn from Redis alone: the journal
+/// MySQL keeps of its joins is not read back at the draw (a large room's draw
+/// would wait on MySQL handing every join back, on every instance at once).
+/// Only a room that had another life in Redis is rebuilt from the journal. Each
+/// room's journal gets one more early joiner than Redis knows, under the room's
+/// own generation or under another one: that joiner is drawn only where the
+/// journal is read back.
+#[tokio::test]
+async fn only_a_room_redis_lost_reads_its_journal_back_at_the_draw() {
+    let app = spawn_app().await;
+    for (other_life, drawn) in [(false, 20), (true, 21)] {
+        let (id, sku) = room_sale(&app, 3, Duration::from_secs(3)).await;
+        for i in 0..20 {
+            let resp = app.join_queue(&sku, &format!("j{i}")).await;
+            assert_eq!(resp.status(), StatusCode::CREATED);
+        }
+        let gen = eventually(Duration::from_secs(10), "the joins journalled", || async {
+            let rows: Vec<(Option<String>,)> =
+                sqlx::query_as("SELECT gen FROM waiting_room_journal WHERE activity_id = ?")
+                    .bind(&id)
+                    .fetch_all(&app.state.pool)
+                    .await
+                    .ok()?;
+            (rows.len() == 20).then(|| rows[0].0.clone())?
+        })
+        .await;
+        let gen = if other_life { format!("0{gen}") } else { gen };
+        sqlx::query(
+            "INSERT INTO waiting_room_journal (activity_id, user_id, kind, joined_seq, recorded_at, gen) \
+             VALUES (?, 'from-the-journal', 'early', 1000, NOW(3), ?)",
+        )
+        .bind(&id)
+        .bind(&gen)
+        .execute(&app.state.pool)
+        .await
+        .expect("a journal row");
+        let figures = eventually(Duration::from_secs(30), "the draw", || async {
+            let figures = room(&app, &id).await;
+            (!figures["seed"].is_null()).then_some(figures)
+        })
+        .await;
+        assert_eq!(
+            figures["joined"], drawn,
+            "another life: {other_life}; {figures}"
+        );
+    }
+    app.stop().await;
+}
