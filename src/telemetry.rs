@@ -391,6 +391,8 @@ const METRICS: &[(Kind, &str, &str)] = &[
     (Kind::Counter, "flashsale_reconcile_honoured_reservations_total", "Acknowledged reservations past the deadline the reconciler turned into orders."),
     (Kind::Counter, "flashsale_reconcile_withdrawn_reservations_total", "Unacknowledged reservations past the deadline the reconciler withdrew."),
     (Kind::Counter, "flashsale_activity_rebuilt_total", "Activities rebuilt in Redis from MySQL after a loss."),
+    (Kind::Gauge, "flashsale_consumer_pace_duty", "The share of time the order consumer spends writing to MySQL (1: no pause; lower while its commits are slow)."),
+    (Kind::Histogram, "flashsale_consumer_pause_seconds", "Pauses the order consumer made after a batch to keep MySQL's pace (its budget, or its commits slowing down)."),
     (Kind::Gauge, "flashsale_reconcile_pass_activities", "Activities the reconciler's last pass went through in full (the live ones, and those that lost their state)."),
     (Kind::Histogram, "flashsale_reconcile_pass_seconds", "How long one reconciler pass over the activities took."),
     (Kind::Counter, "flashsale_reconcile_in_flight_orders_total", "Orders a rebuild wrote itself from its sale's messages still in the topic (the consumers had not reached them)."),

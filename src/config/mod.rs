@@ -267,6 +267,18 @@ pub struct ConsumerSettings {
     /// The group session: a consumer silent this long loses its partitions.
     pub session_timeout_ms: u64,
     pub heartbeat_interval_ms: u64,
+    /// The most orders a second this instance's consumer writes into MySQL
+    /// (0: no budget); beyond it the backlog waits in the topic.
+    #[serde(default)]
+    pub max_orders_per_sec: u32,
+    /// The consumer slows down when its own commits slow down (see
+    /// `orders::pace`).
+    #[serde(default = "default_true")]
+    pub adaptive_pace: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+use super::pace::Pace;
 use super::repo::{Decision, Incoming};
 use super::stall::{StallWatch, Verdict};
 use super::writer::{OrderWriter, MAX_BACKOFF};
@@ -176,6 +177,8 @@ pub struct OrderConsumer {
     /// How long a partition's backlog may stand still, held by nobody here,
     /// before the consumer rejoins.
     stall_patience: Duration,
+    /// Its pace into MySQL (see [`super::pace`]).
+    pace: std::sync::Mutex<Pace>,
 }
 
 /// The group's offsets as the probe last read them, and when.
@@ -235,6 +238,10 @@ impl OrderConsumer {
             kafka: settings.kafka.clone(),
             stall_check: Duration::from_millis(settings.consumer.heartbeat_interval_ms),
             stall_patience: Duration::from_millis(settings.consumer.session_timeout_ms),
+            pace: std::sync::Mutex::new(Pace::new(
+                settings.consumer.max_orders_per_sec,
+                settings.consumer.adaptive_pace,
+            )),
         })
     }
 
@@ -255,12 +262,27 @@ impl OrderConsumer {
             let Some(batch) = self.next_batch(&mut watch, &shutdown).await else {
                 break;
             };
-            if !self
+            let Some(took) = self
                 .handle(&batch, &shutdown)
                 .instrument(batch_span(&batch))
                 .await
-            {
+            else {
                 break;
+            };
+            // MySQL's pace: a pause after the batch (the backlog waits in the
+            // topic), never a refused reservation.
+            let pause = {
+                let mut pace = self.pace.lock().unwrap_or_else(|e| e.into_inner());
+                let pause = pace.after(batch.len(), took);
+                metrics::gauge!("flashsale_consumer_pace_duty").set(pace.duty());
+                pause
+            };
+            if !pause.is_zero() {
+                metrics::histogram!("flashsale_consumer_pause_seconds").record(pause.as_secs_f64());
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(pause) => {}
+                }
             }
             // Between batches: a rejoin never revokes a batch half done.
             if Instant::now() >= watch.next {
@@ -347,7 +369,12 @@ impl OrderConsumer {
         };
         let mut batch = vec![first];
         let deadline = Instant::now() + self.batch_wait;
-        while batch.len() < self.batch_size {
+        let limit = self
+            .pace
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .batch_limit(self.batch_size);
+        while batch.len() < limit {
             match tokio::time::timeout_at(deadline, self.consumer.recv()).await {
                 Ok(Ok(m)) => batch.push(BorrowedMessage::detach(&m)),
                 Ok(Err(err)) => {
@@ -406,9 +433,14 @@ impl OrderConsumer {
         }
     }
 
-    /// Processes one batch and commits its offsets. Returns false when shut down
-    /// before the batch was committed (it will be redelivered).
-    async fn handle(&self, batch: &[OwnedMessage], shutdown: &CancellationToken) -> bool {
+    /// Processes one batch and commits its offsets. Returns how long MySQL took
+    /// to write it, or `None` when shut down before the batch was committed (it
+    /// will be redelivered).
+    async fn handle(
+        &self,
+        batch: &[OwnedMessage],
+        shutdown: &CancellationToken,
+    ) -> Option<Duration> {
         let mut incoming = Vec::with_capacity(batch.len());
         let mut sources = Vec::with_capacity(batch.len());
         for m in batch {
@@ -422,15 +454,16 @@ impl OrderConsumer {
                         .dead_letter(m.key(), m.payload(), &reason, shutdown)
                         .await
                     {
-                        return false;
+                        return None;
                     }
                 }
             }
         }
         let writes = order_write_spans(&sources, &incoming);
-        let Some((decisions, refused)) = self.writer.write(&incoming, shutdown).await else {
-            return false;
-        };
+        let started = Instant::now();
+        let written = self.writer.write(&incoming, shutdown).await;
+        let took = started.elapsed();
+        let (decisions, refused) = written?;
         end_order_writes(writes, &decisions);
         for (i, reason) in refused {
             let m = sources[i];
@@ -438,13 +471,13 @@ impl OrderConsumer {
                 .dead_letter(m.key(), m.payload(), &reason, shutdown)
                 .await
             {
-                return false;
+                return None;
             }
         }
         let report = self.writer.settle(&incoming, &decisions).await;
         tracing::debug!(?report, "batch committed");
         self.commit(batch);
-        true
+        Some(took)
     }
 
     async fn dead_letter(

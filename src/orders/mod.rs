@@ -3,6 +3,7 @@
 //! the sweeper that cancels the unpaid ones.
 
 pub mod consumer;
+pub mod pace;
 mod repo;
 mod stall;
 pub mod sweeper;

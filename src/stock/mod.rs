@@ -48,7 +48,7 @@ pub use keys::{
 };
 pub use loans::Loan;
 pub use pending::{Fate, FateChange, PendingReservation};
-pub use preload::PreloadMode;
+pub use preload::{PreloadMode, Preloaded};
 pub use refund::{RefundMode, RefundOutcome};
 pub use reserve::ReserveOutcome;
 pub(crate) use script::{arg, invoke, Lua};

@@ -25,10 +25,10 @@
 -- StockStore::remove); with it, nothing is built
 --
 -- Returns 1 when built, 0 when "missing" found the activity loaded or "force"
--- found it selling, or the sale's state was removed for good.
+-- found it selling, -1 when the sale's state was removed for good.
 -- Running it twice gives the same state.
 if redis.call("EXISTS", KEYS[12]) == 1 then
-  return 0
+  return -1
 end
 if ARGV[3] == "missing" and redis.call("EXISTS", KEYS[1]) == 1 and redis.call("EXISTS", KEYS[6]) == 1 then
   return 0

@@ -27,9 +27,9 @@ impl StockStore {
         shards: u8,
         build: &Build,
         mode: PreloadMode,
-    ) -> RedisResult<bool> {
+    ) -> RedisResult<Preloaded> {
         let units = deal(build.available, shards);
-        let mut all_built = true;
+        let mut outcome = Preloaded::Built;
         for (k, available) in Keys::all(activity_id, shards).into_iter().zip(units) {
             let buyers: Vec<_> = build
                 .buyers
@@ -75,10 +75,15 @@ impl StockStore {
                     &args,
                 )
                 .await?;
-            all_built &= decode_preload(built);
+            match decode_preload(built) {
+                Preloaded::Built => {}
+                // The marker is on every shard: the first says it for all.
+                Preloaded::Removed => return Ok(Preloaded::Removed),
+                Preloaded::LeftAlone => outcome = Preloaded::LeftAlone,
+            }
         }
         self.gate.open(activity_id);
-        Ok(all_built)
+        Ok(outcome)
     }
 
     /// Sets the live open/paused switch on every shard that holds the activity.
@@ -147,8 +152,24 @@ impl StockStore {
     }
 }
 
-/// `preload.lua`'s 1 built, 0 left alone (`missing` found it loaded, `force`
-/// found it selling).
-fn decode_preload(n: i64) -> bool {
-    n == 1
+/// What a build of an activity's Redis state did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preloaded {
+    /// Written, on every shard.
+    Built,
+    /// Left alone on some shard: `Missing` found it loaded, `Force` found it
+    /// selling.
+    LeftAlone,
+    /// The sale's state was removed for good after its retention (its marker
+    /// is there): nothing was written.
+    Removed,
+}
+
+/// `preload.lua`'s 1 built, 0 left alone, -1 removed.
+fn decode_preload(n: i64) -> Preloaded {
+    match n {
+        1 => Preloaded::Built,
+        -1 => Preloaded::Removed,
+        _ => Preloaded::LeftAlone,
+    }
 }

@@ -88,8 +88,8 @@ impl StockStore {
     /// Marks a change of the user's order, on the shard of its reservation
     /// (the user's home shard). `Begin` waits, where replicas are required
     /// (`redis.min_replicas_acked`), until they hold the mark: a failover to a
-    /// replica that missed it would serve a view cached before the change.
-    /// Returns `false` only when that wait failed (the change must not be made).
+    /// replica that missed it could serve a view cached before the change.
+    /// Returns `false` only when that wait failed.
     pub async fn view_change(
         &self,
         activity_id: &str,

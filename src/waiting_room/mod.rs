@@ -524,22 +524,22 @@ impl WaitingRoom {
     async fn ensure_drawn(&self, a: &Activity) -> anyhow::Result<()> {
         let keys = RoomKeys::new(&a.id, a.stock_shards);
         let mut conn = self.conn.clone();
-        let (committed, gen): (bool, Option<String>) = redis::pipe()
+        let (committed, gen, early): (bool, Option<String>, u64) = redis::pipe()
             .hexists(&keys.meta, "seed")
             .hget(&keys.meta, "gen")
+            .zcard(&keys.joined)
             .query_async(&mut conn)
             .await?;
         if committed {
             return Ok(());
         }
-        // A room Redis never lost (every row MySQL journalled of it is of its
-        // life in Redis now) holds every join: it seals and draws from Redis
-        // alone, and another instance's draw recorded first is taken when this
-        // one's record loses (`new_draw`). Only a room that was lost reads back
-        // what MySQL knows of it: the draw, the joiners and settled turns, and so
-        // the highest arrival number.
+        // A room Redis never lost anything of holds every join: it seals and
+        // draws from Redis alone, and another instance's draw recorded first is
+        // taken when this one's record loses (`new_draw`). Only a room that lost
+        // something reads back what MySQL knows of it: the draw, the joiners and
+        // settled turns, and so the highest arrival number.
         let whole = match &gen {
-            Some(gen) => !other_lives(&self.pool, &a.id, gen).await?,
+            Some(gen) => !lost_joins(&self.pool, &a.id, gen, early).await?,
             None => false,
         };
         let (recorded, restored) = if whole {
@@ -836,20 +836,29 @@ async fn record_journal(
     Ok(())
 }
 
-/// Whether MySQL journalled anything of the room from a life in Redis other
-/// than `gen` (or from before lives were recorded): then Redis lost it once.
-async fn other_lives(pool: &MySqlPool, activity_id: &str, gen: &str) -> anyhow::Result<bool> {
-    let found: Option<i32> = sqlx::query_scalar(
-        "SELECT 1 FROM waiting_room_journal \
-         WHERE activity_id = ? AND (gen IS NULL OR gen < ? OR gen > ?) LIMIT 1",
+/// Whether Redis lost joins of the room that MySQL journalled: a row from a
+/// life in Redis other than `gen` (or from before lives were recorded: the
+/// room was lost whole and made again), or more early joiners than Redis holds
+/// (`early`: some were lost while the room lived on, to a failover to a replica
+/// that missed them, say). One aggregate in MySQL, nothing sent back but two
+/// numbers.
+async fn lost_joins(
+    pool: &MySqlPool,
+    activity_id: &str,
+    gen: &str,
+    early: u64,
+) -> anyhow::Result<bool> {
+    let (journalled, other_lives): (i64, i64) = sqlx::query_as(
+        "SELECT CAST(COALESCE(SUM(kind = 'early'), 0) AS SIGNED), \
+                CAST(COALESCE(SUM(gen IS NULL OR gen <> ?), 0) AS SIGNED) \
+         FROM waiting_room_journal WHERE activity_id = ?",
     )
+    .bind(gen)
     .bind(activity_id)
-    .bind(gen)
-    .bind(gen)
-    .fetch_optional(pool)
+    .fetch_one(pool)
     .await
-    .context("looking for the room's other lives")?;
-    Ok(found.is_some())
+    .context("comparing the room's journal with Redis")?;
+    Ok(other_lives > 0 || u64::try_from(journalled).unwrap_or(u64::MAX) > early)
 }
 
 /// What a rebuilt room gets back: every buyer of the sale (`reserved`), the

@@ -88,6 +88,12 @@ impl TestAppBuilder {
         self
     }
 
+    /// The consumer writes at most `per_sec` orders a second.
+    pub fn max_orders_per_sec(mut self, per_sec: u32) -> Self {
+        self.settings.consumer.max_orders_per_sec = per_sec;
+        self
+    }
+
     /// The unpaid-order sweeper runs every `secs`.
     pub fn sweeper_every(mut self, secs: u64) -> Self {
         self.settings.orders.sweeper_enabled = true;

@@ -461,3 +461,33 @@ async fn poison_messages_go_to_the_dead_letter_topic() {
     assert_eq!(dead, 3);
     app.stop().await;
 }
+
+/// MySQL is everyone's: with a budget the consumer writes no faster than it
+/// allows, the backlog waits in the topic meanwhile, and no reservation is
+/// refused for it.
+#[tokio::test]
+async fn the_consumer_keeps_to_its_budget_and_the_backlog_waits_in_the_topic() {
+    const BUYERS: usize = 40;
+    let app = TestApp::builder()
+        .workers()
+        .max_orders_per_sec(20)
+        .spawn()
+        .await;
+    let sale = app.open_sale(BUYERS as u32, 1).await;
+    for i in 0..BUYERS {
+        app.reserve_accepted(&sale.sku, &format!("b{i}")).await;
+    }
+    let first = eventually(WAIT, "the first order", || async {
+        let n = app.order_counts(&sale.id).await.values().sum::<i64>();
+        (n > 0).then(std::time::Instant::now)
+    })
+    .await;
+    app.wait_for_orders(&sale.id, BUYERS as i64).await;
+    let took = first.elapsed();
+    // 40 orders at 20 a second: about two seconds; unbudgeted, a few batches.
+    assert!(
+        took >= Duration::from_millis(1_500),
+        "{BUYERS} orders in {took:?}"
+    );
+    app.stop().await;
+}

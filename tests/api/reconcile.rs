@@ -425,6 +425,16 @@ async fn an_ended_sale_with_nothing_pending_is_left_out_of_the_passes() {
         (state["state"] == "ended" && pending == 0).then_some(())
     })
     .await;
+    // Two full passes of the live sale since: the loop that judged the sale
+    // still open (a pass begun before its end) is over.
+    for _ in 0..2 {
+        let since = chrono::Utc::now();
+        eventually(WAIT, "a pass over the live sale", || async {
+            let r = app.state.reconciler.last_report(&live.id)?;
+            (r.checked_at > since).then_some(())
+        })
+        .await;
+    }
     let before = app
         .state
         .reconciler

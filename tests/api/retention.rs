@@ -53,6 +53,22 @@ async fn an_ended_sale_leaves_redis_and_is_still_answered_from_mysql() {
         .await
         .expect("TTL");
     assert!(ttl > 0, "the marker expires: {ttl}");
+    // A build that read MySQL before the removal began, written after it,
+    // meets the marker and writes nothing.
+    let build = app
+        .state
+        .activities
+        .build_snapshot(&id)
+        .await
+        .expect("query")
+        .expect("activity");
+    let preloaded = app
+        .state
+        .stock
+        .preload(&id, 1, &build, flashsale::stock::PreloadMode::Force)
+        .await
+        .expect("preload");
+    assert_eq!(preloaded, flashsale::stock::Preloaded::Removed);
     assert!(removed > now + chrono::Duration::seconds(5), "{removed}");
     assert_eq!(
         keys_left(&app, &id).await,

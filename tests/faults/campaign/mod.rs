@@ -601,9 +601,13 @@ fn check_availability(
     outcome: &mut Outcome,
 ) {
     for s in struck {
+        // Answers sent and received within the episode: a buyer's request sent
+        // just before the watch ended and answered after the next fault struck
+        // (when that fault's time had come already) tells of the next fault,
+        // not of this one's heal.
         let window: Vec<Sample> = samples
             .iter()
-            .filter(|x| x.sent >= s.from && x.sent < s.until)
+            .filter(|x| x.sent >= s.from && x.received < s.until)
             .cloned()
             .collect();
         let outage = Outage::measure(&window, s.healed);
