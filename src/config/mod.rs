@@ -273,12 +273,8 @@ pub struct ConsumerSettings {
     pub max_orders_per_sec: u32,
     /// The consumer slows down when its own commits slow down (see
     /// `orders::pace`).
-    #[serde(default = "default_true")]
+    #[serde(default)]
     pub adaptive_pace: bool,
-}
-
-fn default_true() -> bool {
-    true
 }
 
 #[derive(Debug, Clone, Deserialize)]

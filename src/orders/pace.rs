@@ -4,10 +4,13 @@
 //! reservation:
 //! - a budget, `consumer.max_orders_per_sec` (off by default): batches of at most
 //!   a tenth of a second's worth, each followed by the rest of its share of time;
-//! - an adaptive limit that backs off when the consumer's own commits slow down
-//!   (MySQL busy with something else, or with it): additive increase,
-//!   multiplicative decrease of the share of time spent writing, judged by the
-//!   time per order against the best the consumer has seen lately.
+//! - an adaptive limit, `consumer.adaptive_pace` (off by default until the
+//!   benchmark has measured it against another service's queries): additive
+//!   increase, multiplicative decrease of the share of time spent writing,
+//!   judged by the time per message of batches large enough that a
+//!   transaction's fixed cost does not dominate, against their usual time (a
+//!   slowly moving average, so that one cheap batch, of duplicates say, does not
+//!   make every later one look slow).
 //!
 //! No I/O here: the consumer reports each batch and sleeps what it is told.
 
@@ -15,16 +18,18 @@ use std::time::Duration;
 
 /// The least share of time spent writing: the consumer never stops.
 const LEAST_DUTY: f64 = 0.05;
-/// Back off when an order takes this many times the recent best.
+/// Back off when a message takes this many times the usual.
 const SLOWER: f64 = 2.0;
 /// How much of the share of time is won back per batch that was not slow.
 const RECOVER_STEP: f64 = 0.05;
 /// How much of it a slow batch keeps.
 const BACK_OFF: f64 = 0.7;
-/// The recent best rises by this share with every batch, so that a one-off fast
-/// batch does not make every later one look slow for good (a slowdown that
-/// lasts is forgotten after several hundred batches).
-const FORGET: f64 = 0.002;
+/// How far one batch moves the usual time: a normal one, and a slow one (a
+/// slowdown that lasts becomes the usual, over a few hundred batches).
+const LEARN: f64 = 0.05;
+const LEARN_SLOW: f64 = 0.005;
+/// Batches smaller than this are not judged (a transaction's fixed cost).
+const JUDGED_FROM: usize = 20;
 /// The longest pause after one batch (a consumer must keep polling its group).
 const LONGEST_PAUSE: Duration = Duration::from_secs(1);
 
@@ -36,8 +41,8 @@ pub struct Pace {
     adaptive: bool,
     /// The share of time spent writing (1: no pause).
     duty: f64,
-    /// The recent best time per order, in seconds.
-    best: Option<f64>,
+    /// The usual time per message, in seconds.
+    usual: Option<f64>,
 }
 
 impl Pace {
@@ -46,7 +51,7 @@ impl Pace {
             budget: (max_orders_per_sec > 0).then_some(f64::from(max_orders_per_sec)),
             adaptive,
             duty: 1.0,
-            best: None,
+            usual: None,
         }
     }
 
@@ -65,29 +70,27 @@ impl Pace {
         self.duty
     }
 
-    /// The pause after a batch of `orders` whose write to MySQL took `took`.
-    pub fn after(&mut self, orders: usize, took: Duration) -> Duration {
-        if orders == 0 {
-            return Duration::ZERO;
-        }
+    /// The pause after a batch of `messages` whose write to MySQL took `took`.
+    pub fn after(&mut self, messages: usize, took: Duration) -> Duration {
         let took_secs = took.as_secs_f64();
         let mut pause = 0.0_f64;
-        if self.adaptive {
-            let per_order = took_secs / orders as f64;
-            let best = match self.best {
-                Some(best) => (best * (1.0 + FORGET)).min(per_order),
-                None => per_order,
-            };
-            if per_order > best * SLOWER {
-                self.duty = (self.duty * BACK_OFF).max(LEAST_DUTY);
+        if self.adaptive && messages >= JUDGED_FROM {
+            let per_message = took_secs / messages as f64;
+            let usual = self.usual.unwrap_or(per_message);
+            let slow = per_message > usual * SLOWER;
+            let learn = if slow { LEARN_SLOW } else { LEARN };
+            self.usual = Some(usual + (per_message - usual) * learn);
+            self.duty = if slow {
+                (self.duty * BACK_OFF).max(LEAST_DUTY)
             } else {
-                self.duty = (self.duty + RECOVER_STEP).min(1.0);
-            }
-            self.best = Some(best);
+                (self.duty + RECOVER_STEP).min(1.0)
+            };
+        }
+        if self.adaptive {
             pause = pause.max(took_secs * (1.0 / self.duty - 1.0));
         }
         if let Some(per_sec) = self.budget {
-            pause = pause.max(orders as f64 / per_sec - took_secs);
+            pause = pause.max(messages as f64 / per_sec - took_secs);
         }
         Duration::from_secs_f64(pause.max(0.0)).min(LONGEST_PAUSE)
     }
@@ -158,9 +161,25 @@ mod tests {
     #[test]
     fn a_bigger_batch_is_no_slowdown() {
         let mut p = Pace::new(0, true);
-        p.after(10, ms(10));
-        // Ten times the orders in ten times the time: the same per order.
-        assert_eq!(p.after(100, ms(100)), Duration::ZERO);
+        p.after(20, ms(10));
+        // Five times the messages in five times the time: the same per message.
+        assert_eq!(p.after(100, ms(50)), Duration::ZERO);
         assert_eq!(p.duty(), 1.0);
+    }
+
+    #[test]
+    fn one_cheap_batch_does_not_make_the_usual_ones_look_slow() {
+        let mut p = Pace::new(0, true);
+        for _ in 0..20 {
+            p.after(100, ms(20));
+        }
+        // A batch of duplicates: nothing written, a tenth of the time.
+        p.after(100, ms(2));
+        for _ in 0..20 {
+            assert_eq!(p.after(100, ms(20)), Duration::ZERO);
+        }
+        assert_eq!(p.duty(), 1.0);
+        // And small batches are not judged at all.
+        assert_eq!(p.after(3, ms(500)), Duration::ZERO);
     }
 }

@@ -17,8 +17,7 @@ pub(super) enum Look {
     ReadRedis,
 }
 
-/// `full`: the interval's tick, or a wake-up (the API found a sale missing, a
-/// top-up did not reach Redis); not a rebuild's retry.
+/// `full`: the interval's tick (not a rebuild's retry, nor a wake-up).
 pub(super) fn first_look(lost: bool, full: bool, open: bool) -> Look {
     if lost {
         Look::Pass

@@ -319,14 +319,18 @@ impl Reconciler {
         let mut rebuild_waiting = false;
         loop {
             let retry = self.next_retry();
-            // A full pass at the tick and on a wake-up; a rebuild's retry looks
-            // at the lost sales only.
-            let (ticked, full) = tokio::select! {
+            // A full pass at the tick. A rebuild's retry, and a wake-up (the
+            // API found a sale missing: every refused reservation wakes it),
+            // look at the sales that lost their state (or hold an older build,
+            // or are still paused automatically) only: a storm of wake-ups
+            // costs the live sales nothing.
+            let ticked = tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = tick.tick() => (true, true),
-                _ = tokio::time::sleep_until(retry.into()), if rebuild_waiting => (false, false),
-                _ = wake.notified() => (false, true),
+                _ = tick.tick() => true,
+                _ = tokio::time::sleep_until(retry.into()), if rebuild_waiting => false,
+                _ = wake.notified() => false,
             };
+            let full = ticked;
             rebuild_waiting = false;
             // The lag is measured at every pass, with or without a current
             // activity, so its gauge (and the alert on it) is there from the

@@ -229,6 +229,11 @@ pub struct WaitingRoom {
     joins: JoinRecorder,
     unpaid: Mutex<HashMap<String, (Instant, i64)>>,
     early: EarlyJoins,
+    /// Per room waiting for its draw: whether Redis lost joins MySQL journalled,
+    /// as last found for a generation and a count of early joiners in Redis
+    /// (looked up again only when either changes: the look reads every journal
+    /// row of the room, and the draw is tried every tick until it is written).
+    losses: Mutex<HashMap<String, (String, u64, bool)>>,
 }
 
 fn ms(t: DateTime<Utc>) -> i64 {
@@ -268,6 +273,7 @@ impl WaitingRoom {
             joins,
             unpaid: Mutex::default(),
             early: EarlyJoins::new(settings_remembered),
+            losses: Mutex::default(),
         }
     }
 
@@ -531,6 +537,10 @@ impl WaitingRoom {
             .query_async(&mut conn)
             .await?;
         if committed {
+            self.losses
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&a.id);
             return Ok(());
         }
         // A room Redis never lost anything of holds every join: it seals and
@@ -539,7 +549,7 @@ impl WaitingRoom {
         // something reads back what MySQL knows of it: the draw, the joiners and
         // settled turns, and so the highest arrival number.
         let whole = match &gen {
-            Some(gen) => !lost_joins(&self.pool, &a.id, gen, early).await?,
+            Some(gen) => !self.lost_joins(a, gen, early).await?,
             None => false,
         };
         let (recorded, restored) = if whole {
@@ -834,6 +844,29 @@ async fn record_journal(
         .await
         .context("recording the waiting room's journal")?;
     Ok(())
+}
+
+impl WaitingRoom {
+    /// [`lost_joins`], looked up again only when the room's generation or its
+    /// count of early joiners in Redis changed since the last look.
+    async fn lost_joins(&self, a: &Activity, gen: &str, early: u64) -> anyhow::Result<bool> {
+        if let Some((seen_gen, seen_early, lost)) = self
+            .losses
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&a.id)
+        {
+            if seen_gen == gen && *seen_early == early {
+                return Ok(*lost);
+            }
+        }
+        let lost = lost_joins(&self.pool, &a.id, gen, early).await?;
+        self.losses
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(a.id.clone(), (gen.to_owned(), early, lost));
+        Ok(lost)
+    }
 }
 
 /// Whether Redis lost joins of the room that MySQL journalled: a row from a
