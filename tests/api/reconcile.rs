@@ -427,29 +427,14 @@ async fn an_ended_sale_with_nothing_pending_is_left_out_of_the_passes() {
     .await;
     // Two full passes of the live sale since: the loop that judged the sale
     // still open (a pass begun before its end) is over.
-    for _ in 0..2 {
-        let since = chrono::Utc::now();
-        eventually(WAIT, "a pass over the live sale", || async {
-            let r = app.state.reconciler.last_report(&live.id)?;
-            (r.checked_at > since).then_some(())
-        })
-        .await;
-    }
+    full_passes(&app, &live.id, 2).await;
     let before = app
         .state
         .reconciler
         .last_report(&ended.id)
         .map(|r| r.checked_at);
     let from = chrono::Utc::now();
-    // Two full passes of the live sale from now on.
-    for _ in 0..2 {
-        let since = chrono::Utc::now();
-        eventually(WAIT, "a pass over the live sale", || async {
-            let r = app.state.reconciler.last_report(&live.id)?;
-            (r.checked_at > since).then_some(())
-        })
-        .await;
-    }
+    full_passes(&app, &live.id, 2).await;
     let after = app
         .state
         .reconciler
@@ -458,4 +443,17 @@ async fn an_ended_sale_with_nothing_pending_is_left_out_of_the_passes() {
     assert_eq!(after, before, "no full pass over the ended sale");
     assert!(after.is_none_or(|t| t < from));
     app.stop().await;
+}
+
+/// Waits for `n` full passes of the reconciler's loop over a live sale, each
+/// begun after the last.
+async fn full_passes(app: &TestApp, activity_id: &str, n: usize) {
+    for _ in 0..n {
+        let since = chrono::Utc::now();
+        eventually(WAIT, "a pass over the live sale", || async {
+            let r = app.state.reconciler.last_report(activity_id)?;
+            (r.checked_at > since).then_some(())
+        })
+        .await;
+    }
 }
