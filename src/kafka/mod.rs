@@ -429,7 +429,7 @@ pub struct InFlight {
 }
 
 /// Whether a payload is a reservation message of `activity_id`.
-pub fn names_activity(payload: &[u8], activity_id: &str) -> bool {
+fn names_activity(payload: &[u8], activity_id: &str) -> bool {
     #[derive(Deserialize)]
     struct Head<'a> {
         #[serde(borrow)]

@@ -26,8 +26,8 @@
 //! 3. **Stock drift**: Redis stock + pending units + units owed back (failed or
 //!    cancelled orders not yet refunded) + live orders' units must equal the
 //!    activity's stock. A difference is reported, and repaired from MySQL only
-//!    when it is safe: the activity's own messages still in the topic are orders
-//!    and settled, MySQL did not change while Redis was read, and Redis still
+//!    when it is safe: no reservation pending in Redis is an order in MySQL not
+//!    settled yet, MySQL did not change while Redis was read, and Redis still
 //!    holds what was read (compare-and-set).
 //!
 //! 4. **Retention**: a finished sale's state is removed from Redis for good
@@ -71,8 +71,9 @@ const TRANSFER_GRACE_MS: i64 = 2_000;
 pub struct Report {
     pub activity_id: String,
     pub checked_at: chrono::DateTime<Utc>,
-    /// Messages the consumers have not committed yet; `None` if the broker did not
-    /// answer (repairs are then refused).
+    /// Messages the consumers have not committed yet, all sales together (for
+    /// the operator: no decision rests on it); `None` if the broker did not
+    /// answer.
     pub consumer_lag: Option<i64>,
     /// Whether Redis held the activity when the pass began.
     pub loaded: bool,

@@ -20,8 +20,8 @@
 -- and units lent minus received (a unit in transit lands in some shard's stock).
 -- Reservations MySQL already holds but not yet confirmed here are counted twice,
 -- and an owed unit read after ARGV[3] may not be in it yet, so the cap can be
--- low, never high; the reconciler's drift repair raises it once the consumers
--- are drained.
+-- low, never high; the reconciler's drift repair raises it once no
+-- reservation pending here is an order MySQL holds and Redis has not settled.
 -- Returns how many units the stock was lowered by, or -1 when already done.
 -- A state that is not loaded (lost, or removed after the sale's retention) is
 -- left as it is, with no key written: a rebuild reads MySQL, and a removed sale
