@@ -11,9 +11,19 @@
 -- ARGV[4] admitted until (ms) for those admitted now, ARGV[5] the sale's end
 -- (ms): from then on, by Redis's clock, the room stays closed (`ended`)
 --
--- Returns {admitted and unsettled, admitted now, expired now}.
+-- Returns {admitted and unsettled, admitted now, expired now, the room's mark
+-- after the step: generation, admitted total, left total, 1 when closed (see
+-- status.lua)}; the mark is "" before the draw is committed.
+local function mark(reply)
+  local meta = redis.call("HMGET", KEYS[7], "gen", "admitted", "left", "closed")
+  reply[4] = meta[1] or ""
+  reply[5] = tonumber(meta[2] or "0")
+  reply[6] = tonumber(meta[3] or "0")
+  reply[7] = meta[4] and 1 or 0
+  return reply
+end
 if redis.call("HEXISTS", KEYS[7], "seed") == 0 then
-  return {0, 0, 0}
+  return {0, 0, 0, "", 0, 0, 0}
 end
 local gone = redis.call("ZRANGEBYSCORE", KEYS[5], "-inf", "(" .. ARGV[1])
 for _, user in ipairs(gone) do
@@ -31,7 +41,7 @@ if tonumber(t[1]) * 1000 >= tonumber(ARGV[5]) then
 end
 if ARGV[3] == "1" or redis.call("HEXISTS", KEYS[7], "ended") == 1 then
   redis.call("HSET", KEYS[7], "closed", "1")
-  return {outstanding, 0, #gone}
+  return mark({outstanding, 0, #gone})
 end
 redis.call("HDEL", KEYS[7], "closed")
 local room = tonumber(ARGV[2]) - outstanding
@@ -46,4 +56,4 @@ if room > 0 then
     redis.call("HINCRBY", KEYS[7], "admitted", admitted)
   end
 end
-return {outstanding + admitted, admitted, #gone}
+return mark({outstanding + admitted, admitted, #gone})

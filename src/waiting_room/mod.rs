@@ -27,7 +27,10 @@
 //! - **Cheap to wait.** A join is one script call that answers the place too
 //!   (`join.lua`); a poll one (`status.lua`), both built on `place.lua`.
 //!   Before the start, polls of users this instance saw join are answered from
-//!   memory, checked once a second against Redis ([`early`]).
+//!   memory, checked once a second against Redis ([`early`]); after the draw,
+//!   a poll whose answer only the room's moving can change (a place in a line
+//!   that has not moved, a repeated `sold_out`) is answered from memory while
+//!   this instance's last admission step saw the room unmoved ([`unmoved`]).
 //! - **A room Redis lost comes back.** Joins and settled turns are
 //!   journalled in Redis and copied to MySQL in batches (`journal.lua`,
 //!   `waiting_room_journal`); a rebuilt room gets them back (`restore.lua`),
@@ -54,7 +57,9 @@ use crate::orders::OrderRepo;
 use crate::stock::{arg, invoke, Lua, RedisConn, RoomKeys, StockStore};
 
 mod early;
+mod unmoved;
 use early::{EarlyJoins, Known};
+use unmoved::Unmoved;
 
 /// Places of late joiners start here: behind every drawn place.
 pub const LATE_PLACES: i64 = 1_000_000_000_000;
@@ -113,6 +118,10 @@ enum Joined {
     /// The room is being rebuilt after Redis lost it.
     Rebuilding,
 }
+
+/// `status.lua`'s reply: the place's four values, then the room's mark
+/// (generation, admitted, left, closed).
+type StatusReply = (String, String, i64, i64, String, i64, i64, i64);
 
 /// `join.lua`'s reply: `{code, seq, kind}`, the place's four values, the
 /// room's generation.
@@ -229,6 +238,7 @@ pub struct WaitingRoom {
     joins: JoinRecorder,
     unpaid: Mutex<HashMap<String, (Instant, i64)>>,
     early: EarlyJoins,
+    unmoved: Unmoved,
     /// Per room waiting for its draw: whether Redis lost joins MySQL journalled,
     /// as last found for a generation and a count of early joiners in Redis
     /// (looked up again only when either changes: the look reads every journal
@@ -250,6 +260,7 @@ impl WaitingRoom {
     ) -> Self {
         let joins = JoinRecorder::start(pool.clone());
         let settings_remembered = settings.remembered_joins;
+        let tick = Duration::from_millis(settings.tick_ms);
         WaitingRoom {
             conn,
             orders,
@@ -273,6 +284,7 @@ impl WaitingRoom {
             joins,
             unpaid: Mutex::default(),
             early: EarlyJoins::new(settings_remembered),
+            unmoved: Unmoved::new(settings_remembered, tick),
             losses: Mutex::default(),
         }
     }
@@ -335,16 +347,30 @@ impl WaitingRoom {
     }
 
     /// Where `user` stands, in one round trip; before the start, from memory
-    /// when this instance has seen the user join (see [`EarlyJoins`]).
+    /// when this instance has seen the user join (see [`EarlyJoins`]); after
+    /// the draw, from memory while the room has not moved since Redis last
+    /// answered the user (see [`Unmoved`]).
     pub async fn place(&self, a: &Activity, user: &str, now: DateTime<Utc>) -> RedisResult<Place> {
         if let Some(place) = self.remembered(a, user, now).await {
             return Ok(place);
         }
-        let (state, seq, ahead, until, gen): (String, String, i64, i64, String) = self
+        if let Some(place) = self.unmoved.known(&a.id, user, Instant::now()) {
+            metrics::counter!("flashsale_waiting_room_answers_from_memory_total").increment(1);
+            return Ok(place);
+        }
+        let (state, seq, ahead, until, gen, admitted, left, closed): StatusReply = self
             .run(a, &self.status, &[arg(user), arg(ms(now))])
             .await?;
         let place = Place::decode(a, (state, seq.clone(), ahead, until));
         self.early.learn(a, user, &seq, &place, &gen, now);
+        if now < a.ends_at {
+            self.unmoved.learn(
+                &a.id,
+                user,
+                unmoved::mark(&gen, admitted, left, closed == 1),
+                &place,
+            );
+        }
         Ok(place)
     }
 
@@ -450,7 +476,11 @@ impl WaitingRoom {
         if !EarlyJoins::before_start(a, now) {
             self.early.forget(&a.id);
         }
+        if now >= a.ends_at {
+            self.unmoved.forget(&a.id);
+        }
         metrics::gauge!("flashsale_waiting_room_remembered_joins").set(self.early.len() as f64);
+        metrics::gauge!("flashsale_waiting_room_remembered_places").set(self.unmoved.len() as f64);
         if now < a.starts_at + DRAW_GRACE {
             return Ok(());
         }
@@ -473,7 +503,7 @@ impl WaitingRoom {
             now >= a.ends_at || (left == 0 && snap.pending == 0 && self.unpaid(a).await? == 0);
         let turn = Duration::from_secs(self.settings.turn_secs);
         let until = now + chrono::Duration::from_std(turn).unwrap_or_default();
-        let _: (i64, i64, i64) = self
+        let (_, _, _, gen, admitted, left, closed): (i64, i64, i64, String, i64, i64, i64) = self
             .run(
                 a,
                 &self.admit,
@@ -487,6 +517,13 @@ impl WaitingRoom {
             )
             .await
             .context("admission step")?;
+        if !gen.is_empty() && now < a.ends_at {
+            self.unmoved.saw(
+                &a.id,
+                unmoved::mark(&gen, admitted, left, closed == 1),
+                Instant::now(),
+            );
+        }
         Ok(())
     }
 

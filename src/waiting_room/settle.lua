@@ -9,7 +9,11 @@
 --
 -- Returns 1 when this call settled it, 0 when it was settled before.
 redis.call("ZREM", KEYS[5], ARGV[1])
-redis.call("ZREM", KEYS[4], ARGV[1])
+-- Out of the line, everyone behind moves up: counted in the room's mark (see
+-- status.lua).
+if redis.call("ZREM", KEYS[4], ARGV[1]) == 1 then
+  redis.call("HINCRBY", KEYS[7], "left", 1)
+end
 if redis.call("HGET", KEYS[6], ARGV[1]) == "reserved" then
   return 0
 end

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use testkit::stats::binomial_interval;
 
 use crate::helpers::{
-    assert_error, eventually, script_calls, spawn_app, unique, words, SaleSpec, TestApp,
+    assert_error, eventually, script_calls, spawn_app, unique, words, Sale, SaleSpec, TestApp,
 };
 
 /// A sale with a waiting room that starts in `starts_in`; created and preloaded.
@@ -756,6 +756,115 @@ async fn a_room_told_sold_out_reopens_when_units_come_back() {
         );
     }
     assert_eq!(room(&app, &id).await["closed"], false);
+    app.stop().await;
+}
+
+/// After the draw, a poll whose answer only the line's moving can change is
+/// answered from memory while the line has not moved: users waiting behind a
+/// turn that holds the only unit, then the same users told `sold_out` once it
+/// is paid. Every answer is the one Redis gave; the polls ask Redis (the
+/// status script, the one that ranks a user in line) less often than they
+/// are sent; a top-up moves the line and the users are admitted at once.
+#[tokio::test]
+async fn polls_of_a_line_that_has_not_moved_cost_redis_nothing() {
+    let app = TestApp::builder().workers().spawn().await;
+    let users = ["m0", "m1", "m2", "m3"];
+    let (id, sku, first) = room_with_a_turn(&app, 1, &users).await;
+    let sale = Sale {
+        id: id.clone(),
+        sku: sku.clone(),
+        shards: 1,
+    };
+    let others: Vec<&str> = users.iter().copied().filter(|u| *u != first).collect();
+    let polls = 30;
+    // The status script: the place (first the user's arrival number), then
+    // the room's mark; no other script of the room starts and ends that way.
+    let asked_redis = |lines: &[String]| -> usize {
+        let (calls, _) = script_calls(lines);
+        let inner = |l: &&String| words(l).first().map(|w| w.to_uppercase());
+        calls
+            .iter()
+            .filter(|(_, run)| {
+                run.first().and_then(inner).as_deref() == Some("ZSCORE")
+                    && run.last().and_then(inner).as_deref() == Some("HMGET")
+            })
+            .count()
+    };
+    // Waiting behind the turn: the line cannot move while it runs.
+    let mut told = HashMap::new();
+    for u in &others {
+        let body = place(&app, &sku, u).await;
+        assert_eq!(body["state"], "waiting", "{body}");
+        assert!(body["position"].as_u64().is_some(), "{body}");
+        told.insert(*u, body);
+    }
+    let watch = app.watch_redis(&sale).await;
+    for i in 0..polls {
+        let u = others[i % others.len()];
+        assert_eq!(place(&app, &sku, u).await, told[u], "{u}: Redis's answer");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let asked = asked_redis(&app.watched(&sale, watch).await);
+    assert!(
+        asked < polls,
+        "{asked} of {polls} waiting polls asked Redis"
+    );
+
+    // Bought and paid: nothing can come back, the others are told sold_out.
+    assert_eq!(
+        app.reserve(&sku, &first, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    let order: u64 = eventually(Duration::from_secs(15), "the order", || async {
+        sqlx::query_scalar("SELECT id FROM orders WHERE activity_id = ?")
+            .bind(&id)
+            .fetch_optional(&app.state.pool)
+            .await
+            .expect("orders")
+    })
+    .await;
+    assert_eq!(
+        app.pay(&order.to_string(), &first).await.status(),
+        StatusCode::OK
+    );
+    eventually(
+        Duration::from_secs(10),
+        "the others told sold_out",
+        || async {
+            for u in &others {
+                if place(&app, &sku, u).await["state"] != "sold_out" {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await;
+    let watch = app.watch_redis(&sale).await;
+    for i in 0..polls {
+        let u = others[i % others.len()];
+        assert_eq!(place(&app, &sku, u).await["state"], "sold_out", "{u}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let asked = asked_redis(&app.watched(&sale, watch).await);
+    assert!(
+        asked < polls,
+        "{asked} of {polls} sold_out polls asked Redis"
+    );
+
+    // Units come back: the line moves, and no poll is told the old answer
+    // for longer than the step that sees it.
+    let topped = app.top_up(&id, json!({"add": 3})).await;
+    assert_eq!(topped.status(), StatusCode::OK);
+    eventually(Duration::from_secs(10), "the others admitted", || async {
+        for u in &others {
+            if place(&app, &sku, u).await["state"] != "admitted" {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
     app.stop().await;
 }
 
