@@ -50,6 +50,18 @@
 #       --flood-rounds 1 --idle-duration 1 --redis-bench-requests 50000 \
 #       --broker-ceiling-duration 2
 #
+# `scripts/bench.sh day` runs a day in production instead (into results/day):
+# first the other business's query with the consumers writing against them
+# paused, in the same sale, for each consumer setting; then 24 sales over about
+# 15 minutes on a Redis Cluster, a broker, two API instances and two consumers of
+# its own (`FLASHSALE_ENV=production`), staggered and overlapping, open and
+# through waiting rooms, on 1 and 3 stock shards, with top-ups, a pause, unpaid
+# orders lapsing, users buying in several sales, and three faults struck on one
+# sale while others sell; then the cost of a poll, and the tail until every
+# sale's keys are gone. About 25 minutes; sizes are flags (`--sales`,
+# `--minutes`, `--clicks-per-s`, ...; `scripts/bench.sh day --help`). It fails
+# when a sale breaks an invariant, and asserts nothing else.
+#
 # Everything runs on loopback: Redis, MariaDB and the broker from
 # scripts/services.sh, and one benchmark server at a time on a free port.
 # Other heavy work on the machine (a build, a test suite) skews the figures: the
@@ -64,6 +76,32 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
 fi
 
 scripts/services.sh
+if [[ "${1:-}" == "day" ]]; then
+    shift
+    cargo build --release --locked -p flashsale-bench --bin day
+    cargo build --release --locked --bin flashsale
+    out=results/day
+    given=()
+    for ((i = 1; i <= $#; i++)); do
+        case "${!i}" in
+            -h | --help) exec "${CARGO_TARGET_DIR:-target}"/release/day --help ;;
+            --out) j=$((i + 1)); out="${!j}"; given=(x) ;;
+            --out=*) out="${!i#--out=}"; given=(x) ;;
+        esac
+    done
+    if [[ ${#given[@]} -eq 0 ]]; then set -- --out "$out" "$@"; fi
+    status=0
+    "${CARGO_TARGET_DIR:-target}"/release/day --repo . "$@" || status=$?
+    if [[ -f "$out/day.json" ]]; then
+        venv=.run/bench-venv
+        [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
+        "$venv/bin/python" -c 'import matplotlib' 2>/dev/null ||
+            "$venv/bin/pip" install --quiet --disable-pip-version-check 'matplotlib>=3.7,<4'
+        "$venv/bin/python" scripts/plots.py "$out"
+        echo "bench: report in $out/report.md"
+    fi
+    exit "$status"
+fi
 if [[ "${1:-}" == "consumer" ]]; then
     exec cargo bench --locked -p flashsale-bench --bench consumer
 fi

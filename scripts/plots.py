@@ -20,6 +20,10 @@
                      the last user knew their outcome marked
 - mega_memory.png    (scripts/bench.sh mega) the service's resident memory and
                      Redis's memory over time, one line a sale
+- day.png            (scripts/bench.sh day, from RESULTS/day.json) over the day:
+                     the sales' windows with their faults, Redis's memory and
+                     keys, each process's resident memory, MySQL statements and
+                     Redis commands a request, and the consumer group's lag
 
 scripts/bench.sh runs it from a virtualenv with matplotlib; it needs nothing else.
 """
@@ -348,8 +352,86 @@ def mega_memory(summary, out):
     return True
 
 
+def day_plot(day, out):
+    points = day["points"]
+    if not points:
+        return False
+    t = [p["t_s"] / 60 for p in points]
+    fig, axes = plt.subplots(5, 1, figsize=(11, 14), sharex=True)
+    ax = axes[0]
+    for s in day["sales"]:
+        p = s["plan"]
+        y = p["index"]
+        color = "#1f77b4" if not p["waiting_room"] else "#9467bd"
+        ax.barh(y, p["open_s"] / 60, left=p["starts_at_s"] / 60, color=color,
+                alpha=0.35 if p["stock_shards"] == 1 else 0.7)
+        if s["invariants"] != {"Ok": None} and "Err" in s["invariants"]:
+            ax.text(p["ends_at_s"] / 60 if "ends_at_s" in p else (p["starts_at_s"] + p["open_s"]) / 60,
+                    y, " broken", color="red", va="center", fontsize=7)
+    for d in day["done"]:
+        if d["what"] in ("keys lost", "primary killed", "broker restarted"):
+            for a in axes:
+                a.axvline(d["at_s"] / 60, color="red", lw=0.8, ls="--")
+            axes[0].text(d["at_s"] / 60, d["sale"], " " + d["what"], color="red",
+                         fontsize=7, va="bottom")
+        elif d["what"].startswith("top-up") or d["what"] == "paused":
+            axes[0].plot([d["at_s"] / 60], [d["sale"]], marker="|", color="black")
+    ax.set_ylabel("sale")
+    ax.set_title("Sales (blue: open, purple: waiting room; darker: 3 shards), faults dashed")
+    ax.invert_yaxis()
+    ax = axes[1]
+    ax.plot(t, [p["redis_bytes"] / 1048576 for p in points], label="used memory (MiB)")
+    ax.set_ylabel("Redis MiB")
+    ax2 = ax.twinx()
+    ax2.plot(t, [p["redis_keys"] for p in points], color="#ff7f0e", label="keys")
+    ax2.set_ylabel("keys")
+    ax.set_title("Redis, summed over the primaries")
+    ax = axes[2]
+    names = [n for n, _ in points[0]["rss_bytes"]]
+    for k, name in enumerate(names):
+        ax.plot(t, [p["rss_bytes"][k][1] / 1048576 if k < len(p["rss_bytes"]) else 0
+                    for p in points], label=name)
+    ax.set_ylabel("RSS MiB")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("Resident memory of each process")
+    ax = axes[3]
+    side = day["options"]["side_rate"]
+    xs, qs, rs = [], [], []
+    for a, b in zip(points, points[1:]):
+        req = b["requests"] - a["requests"]
+        if req < 1:
+            continue
+        secs = b["t_s"] - a["t_s"]
+        stmts = (b["mysql_questions"] - a["mysql_questions"]
+                 - (b["own_statements"] - a["own_statements"]) - side * secs)
+        xs.append(b["t_s"] / 60)
+        qs.append(max(stmts, 0) / req)
+        rs.append(max(b["redis_commands"] - a["redis_commands"], 0) / req)
+    ax.plot(xs, qs, label="MySQL statements / request")
+    ax.set_ylabel("MySQL / request")
+    ax2 = ax.twinx()
+    ax2.plot(xs, rs, color="#2ca02c", label="Redis commands / request")
+    ax2.set_ylabel("Redis / request")
+    ax.set_title("Per request (MySQL: the side query and the watch's own taken off)")
+    ax = axes[4]
+    ax.plot(t, [p["consumer_lag"] if p["consumer_lag"] is not None else float("nan")
+                for p in points])
+    ax.set_ylabel("messages")
+    ax.set_title("Consumer group lag")
+    ax.set_xlabel("minutes from the day's start")
+    fig.tight_layout()
+    fig.savefig(out / "day.png", dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main():
     results = Path(sys.argv[1] if len(sys.argv) > 1 else "results")
+    if (results / "day.json").exists() and not (results / "summary.json").exists():
+        day = json.loads((results / "day.json").read_text())
+        if day_plot(day, results):
+            print(f"plots: {results / 'day.png'}")
+        return
     summary = json.loads((results / "summary.json").read_text())
     if summary.get("mega"):
         # The mega-sale runs alone: its own plots only.

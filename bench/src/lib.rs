@@ -24,7 +24,8 @@
 //!   against the waiting room), [`cluster`] (the hot SKU on a Redis Cluster),
 //!   [`failover`] (a sale through the loss of a Cluster primary), [`mega`] (a
 //!   million users with their own tokens, open and through the waiting room,
-//!   and what a bigger sale would need);
+//!   and what a bigger sale would need), [`day`] (a day in production: many
+//!   sales, faults, memory and statements over time);
 //! - [`suite`]: the comparison, section after section; [`report`]: its markdown.
 
 pub mod ceiling;
@@ -32,6 +33,7 @@ pub mod client;
 pub mod clock;
 pub mod cluster;
 pub mod context;
+pub mod day;
 pub mod failover;
 pub mod fairness;
 pub mod flood;

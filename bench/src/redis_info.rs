@@ -40,6 +40,17 @@ pub async fn version(url: &str) -> anyhow::Result<String> {
         .unwrap_or_default())
 }
 
+/// The keys the node at `url` holds when it is a primary (`None` for a replica).
+pub async fn primary_keys(url: &str) -> anyhow::Result<Option<u64>> {
+    let mut conn = connect(url).await?;
+    let role = info(&mut conn, "replication").await?;
+    if !role.lines().any(|l| l.trim() == "role:master") {
+        return Ok(None);
+    }
+    let keys: u64 = redis::cmd("DBSIZE").query_async(&mut conn).await?;
+    Ok(Some(keys))
+}
+
 /// The counters of the node at `url`.
 pub async fn counters(url: &str) -> anyhow::Result<Counters> {
     let mut conn = connect(url).await?;

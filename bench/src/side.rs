@@ -134,14 +134,21 @@ impl SideQuery {
 
     /// The side query's latency for requests due within `[from, to]` (unix ms).
     pub fn window(&self, from_unix_ms: f64, to_unix_ms: f64) -> anyhow::Result<SideStats> {
+        self.windows(&[(from_unix_ms, to_unix_ms)])
+    }
+
+    /// The side query's latency for requests due within any of `windows`
+    /// (`[from, to]`, unix ms), pooled.
+    pub fn windows(&self, windows: &[(f64, f64)]) -> anyhow::Result<SideStats> {
         let samples = self.samples.lock().unwrap_or_else(|p| p.into_inner());
         let mut hist = new_histogram()?;
         let mut failed = 0;
         let mut queries = 0;
-        for s in samples
-            .iter()
-            .filter(|s| s.due_unix_ms >= from_unix_ms && s.due_unix_ms <= to_unix_ms)
-        {
+        for s in samples.iter().filter(|s| {
+            windows
+                .iter()
+                .any(|(from, to)| s.due_unix_ms >= *from && s.due_unix_ms <= *to)
+        }) {
             queries += 1;
             match s.micros {
                 Some(us) => hist.saturating_record(us.max(1)),

@@ -76,6 +76,11 @@ impl Proc {
         }
     }
 
+    /// The process id while it runs (its memory can be read off `/proc`).
+    pub fn id(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// `Some(success)` once the process has exited.
     pub fn try_wait(&mut self) -> Option<bool> {
         let child = self.child.as_mut()?;

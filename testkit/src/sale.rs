@@ -24,6 +24,8 @@ pub struct SaleSpec {
     pub stock_shards: u8,
     /// Seconds from now to `starts_at`: negative for a sale already selling.
     pub starts_in_secs: i64,
+    /// Seconds from `starts_at` to `ends_at`.
+    pub open_secs: i64,
     /// Admission through the waiting room (joinable 600 s before the start)
     /// instead of first come, first served.
     pub waiting_room: bool,
@@ -38,6 +40,7 @@ impl SaleSpec {
             payment_timeout_secs: 900,
             stock_shards: 1,
             starts_in_secs: -5,
+            open_secs: 3600,
             waiting_room: false,
         }
     }
@@ -54,13 +57,14 @@ pub async fn open_sale(
     let api = crate::api::Api::new(client.clone(), base, admin_token);
     let sku = spec.sku.clone().unwrap_or_else(|| crate::unique("sku-"));
     let now = chrono::Utc::now();
+    let starts_at = now + chrono::Duration::seconds(spec.starts_in_secs);
     let resp = api
         .create_activity(&json!({
             "sku": sku,
             "stock": spec.stock,
             "per_user_limit": spec.per_user_limit,
-            "starts_at": now + chrono::Duration::seconds(spec.starts_in_secs),
-            "ends_at": now + chrono::Duration::hours(1),
+            "starts_at": starts_at,
+            "ends_at": starts_at + chrono::Duration::seconds(spec.open_secs),
             "payment_timeout_secs": spec.payment_timeout_secs,
             "stock_shards": spec.stock_shards,
             "admission": if spec.waiting_room { "waiting_room" } else { "open" },
@@ -92,4 +96,40 @@ pub async fn open_sale(
         sku,
         shards: spec.stock_shards,
     })
+}
+
+/// Deletes every Redis key of activity `activity_id`, its stock shards' and its
+/// waiting room's, on each node of `node_urls` (every primary of a Cluster, or
+/// the one node): the sale's state lost, as an eviction or a shard that
+/// restarted empty would lose it. Returns how many keys went.
+pub async fn forget_in_redis(node_urls: &[String], activity_id: &str) -> Result<usize, String> {
+    let mut deleted = 0;
+    for url in node_urls {
+        let client = redis::Client::open(url.as_str()).map_err(|e| e.to_string())?;
+        let mut conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .map_err(|e| format!("{url}: {e}"))?;
+        for pattern in [
+            format!("flash:{{{activity_id}}}*"),
+            format!("flash:{{{activity_id}#*"),
+        ] {
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(&pattern)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| format!("{url}: {e}"))?;
+            // One DEL per key: on a Cluster node, keys of several slots may
+            // not go in one command.
+            for key in keys {
+                let n: usize = redis::cmd("DEL")
+                    .arg(&key)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(|e| format!("{url}: {e}"))?;
+                deleted += n;
+            }
+        }
+    }
+    Ok(deleted)
 }

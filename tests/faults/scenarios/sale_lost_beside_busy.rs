@@ -92,7 +92,8 @@ impl Fault for SaleLostBesideBusy {
                     );
                 }
             }
-            let deleted = delete_keys(&run.redis_url(), &run.activity_id).await?;
+            let deleted =
+                testkit::sale::forget_in_redis(&[run.redis_url()], &run.activity_id).await?;
             if deleted == 0 {
                 stop.store(true, Ordering::SeqCst);
                 return Err("the lost sale had no keys to delete".into());
@@ -228,33 +229,4 @@ async fn sell_busy(
         sent += 1;
     }
     sent
-}
-
-/// Deletes every Redis key of the sale (each stock shard's, and its room's).
-async fn delete_keys(redis_url: &str, activity_id: &str) -> Result<usize, String> {
-    let client = redis::Client::open(redis_url).map_err(|e| e.to_string())?;
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut deleted = 0;
-    for pattern in [
-        format!("flash:{{{activity_id}}}*"),
-        format!("flash:{{{activity_id}#*"),
-    ] {
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(&pattern)
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| e.to_string())?;
-        if !keys.is_empty() {
-            let n: usize = redis::cmd("DEL")
-                .arg(&keys)
-                .query_async(&mut conn)
-                .await
-                .map_err(|e| e.to_string())?;
-            deleted += n;
-        }
-    }
-    Ok(deleted)
 }
