@@ -466,7 +466,9 @@ pub async fn join_queue(
     )
 )]
 /// `GET /flash/{sku}/queue`: the user's place, in one Redis round trip (none
-/// before the start for a user this instance saw join).
+/// before the start for a user this instance saw join, nor after the draw
+/// while the line has not moved); after the end, once Redis no longer holds
+/// the room (the sale's state removed), from MySQL's journal.
 pub async fn queue_status(
     State(state): State<AppState>,
     Path(sku): Path<String>,
@@ -474,11 +476,25 @@ pub async fn queue_status(
 ) -> AppResult<axum::response::Response> {
     let now = Utc::now();
     let activity = room_for(&state, &sku, now)?;
-    let place = state
-        .waiting_room
-        .place(&activity, &user.id, now)
-        .await
-        .map_err(redis_down)?;
+    let place = match activity.redis_removing {
+        true => Place::None,
+        false => state
+            .waiting_room
+            .place(&activity, &user.id, now)
+            .await
+            .map_err(redis_down)?,
+    };
+    let place = match place {
+        Place::None if now >= activity.ends_at => state
+            .waiting_room
+            .place_from_journal(&activity, &user.id)
+            .await
+            .map_err(|err| {
+                tracing::warn!(error = %format!("{err:#}"), activity_id = %activity.id, "reading an ended room's journal failed");
+                AppError::Unavailable("the waiting room's record cannot be read")
+            })?,
+        place => place,
+    };
     let place = QueuePlace::of(place)
         .ok_or_else(|| AppError::not_found("this user has not joined the waiting room"))?;
     Ok(with_retry_after(

@@ -135,17 +135,19 @@ pub(super) fn repair_waits(pending_units: i64, pending: Option<Pending>) -> Opti
 pub(super) enum Removal {
     /// Remove it now (or finish a removal begun).
     Remove,
-    /// Not yet: its room's loop is not done with it.
+    /// Not yet: its waiting room's loop is not done with it (a minute past
+    /// the end).
     Wait,
     /// Only if no reservation of it is pending (the pass that decides them
     /// needs them).
     IfNothingPending,
 }
 
-/// `removing`: a removal was begun; `looked_after`: the passes and the room's
-/// loop still look at it (an hour after its end).
-pub(super) fn removal(removing: bool, looked_after: bool, room: bool) -> Removal {
-    match (removing, looked_after, room) {
+/// `removing`: a removal was begun; `looked_after`: the passes still look at
+/// it (an hour after its end); `room_busy`: its waiting room's loop still
+/// steps it (a minute after its end).
+pub(super) fn removal(removing: bool, looked_after: bool, room_busy: bool) -> Removal {
+    match (removing, looked_after, room_busy) {
         (true, _, _) | (false, false, _) => Removal::Remove,
         (false, true, true) => Removal::Wait,
         (false, true, false) => Removal::IfNothingPending,

@@ -21,7 +21,8 @@ impl Reconciler {
     /// at the next pass, before any new one. While the sale is still looked
     /// after, a removal waits for its pending reservations (the pass that
     /// decides them needs them), and a waiting room's for its loop to be done
-    /// with it. Nothing else brings a removed state back: the reconciler
+    /// with it (a minute past the end; its polls are answered from MySQL's
+    /// journal once the state is gone). Nothing else brings a removed state back: the reconciler
     /// rebuilds only open sales, and the scripts a late message or a lapse runs
     /// write nothing where the stock key is missing. One sale that fails is
     /// logged and skipped. Returns how many sales it removed.
@@ -51,9 +52,11 @@ impl Reconciler {
 
     /// One sale of `remove_ended`; whether it was removed now.
     pub(super) async fn remove_one(&self, a: &Activity) -> anyhow::Result<bool> {
-        let looked_after = a.ends_at + crate::activity::LOOKED_AFTER > Utc::now();
-        let room = a.admission == crate::activity::Admission::WaitingRoom;
-        match decide::removal(a.redis_removing, looked_after, room) {
+        let now = Utc::now();
+        let looked_after = a.ends_at + crate::activity::LOOKED_AFTER > now;
+        let room_busy = a.admission == crate::activity::Admission::WaitingRoom
+            && a.ends_at + crate::waiting_room::LOOP_AFTER_END >= now;
+        match decide::removal(a.redis_removing, looked_after, room_busy) {
             decide::Removal::Wait => return Ok(false),
             decide::Removal::IfNothingPending => {
                 let snapshot = self.stock.snapshot(&a.id, a.stock_shards).await?;

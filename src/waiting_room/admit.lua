@@ -13,17 +13,19 @@
 --
 -- Returns {admitted and unsettled, admitted now, expired now, the room's mark
 -- after the step: generation, admitted total, left total, 1 when closed (see
--- status.lua)}; the mark is "" before the draw is committed.
+-- status.lua), and the Redis process that ran it (its run_id)}; the
+-- generation is "" before the draw is committed.
 local function mark(reply)
   local meta = redis.call("HMGET", KEYS[7], "gen", "admitted", "left", "closed")
   reply[4] = meta[1] or ""
   reply[5] = tonumber(meta[2] or "0")
   reply[6] = tonumber(meta[3] or "0")
   reply[7] = meta[4] and 1 or 0
+  reply[8] = string.match(redis.call("INFO", "server"), "run_id:(%x+)") or ""
   return reply
 end
 if redis.call("HEXISTS", KEYS[7], "seed") == 0 then
-  return {0, 0, 0, "", 0, 0, 0}
+  return {0, 0, 0, "", 0, 0, 0, ""}
 end
 local gone = redis.call("ZRANGEBYSCORE", KEYS[5], "-inf", "(" .. ARGV[1])
 for _, user in ipairs(gone) do

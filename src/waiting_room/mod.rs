@@ -59,8 +59,11 @@ use crate::stock::{arg, invoke, Lua, RedisConn, RoomKeys, StockStore};
 mod early;
 mod unmoved;
 use early::{EarlyJoins, Known};
-use unmoved::Unmoved;
+use unmoved::{Mark, Unmoved};
 
+/// How long past a sale's end its room's loop still steps it (turns running
+/// out, the journal copied).
+pub const LOOP_AFTER_END: chrono::Duration = chrono::Duration::minutes(1);
 /// Places of late joiners start here: behind every drawn place.
 pub const LATE_PLACES: i64 = 1_000_000_000_000;
 /// How long after `starts_at` the draw waits, so that a join an instance with a
@@ -122,6 +125,10 @@ enum Joined {
 /// `status.lua`'s reply: the place's four values, then the room's mark
 /// (generation, admitted, left, closed).
 type StatusReply = (String, String, i64, i64, String, i64, i64, i64);
+
+/// `admit.lua`'s reply: admitted and unsettled, admitted now, expired now, the
+/// room's mark (generation, admitted, left, closed) and Redis's run id.
+type AdmitReply = (i64, i64, i64, String, i64, i64, i64, String);
 
 /// `join.lua`'s reply: `{code, seq, kind}`, the place's four values, the
 /// room's generation.
@@ -364,12 +371,8 @@ impl WaitingRoom {
         let place = Place::decode(a, (state, seq.clone(), ahead, until));
         self.early.learn(a, user, &seq, &place, &gen, now);
         if now < a.ends_at {
-            self.unmoved.learn(
-                &a.id,
-                user,
-                unmoved::mark(&gen, admitted, left, closed == 1),
-                &place,
-            );
+            let mark = Mark::new(&gen, admitted, left, closed == 1);
+            self.unmoved.learn(&a.id, user, mark, &place);
         }
         Ok(place)
     }
@@ -431,6 +434,38 @@ impl WaitingRoom {
                 }
             }
         }
+    }
+
+    /// Where `user` stood when the sale ended, from MySQL's journal: for an
+    /// ended sale whose room Redis no longer holds (its state removed after
+    /// the retention), the answer Redis gave once the room closed: a buyer
+    /// `admitted` (reserved), a turn that ran out `expired`, anyone else who
+    /// joined `sold_out`; `None` for a user who never joined.
+    pub async fn place_from_journal(&self, a: &Activity, user: &str) -> anyhow::Result<Place> {
+        let rows: Vec<(String, Option<u64>)> = sqlx::query_as(
+            "SELECT CAST(kind AS CHAR), joined_seq FROM waiting_room_journal \
+             WHERE activity_id = ? AND user_id = ?",
+        )
+        .bind(&a.id)
+        .bind(user)
+        .fetch_all(&self.pool)
+        .await
+        .context("reading the room's journal")?;
+        let Some(seq) = rows.iter().find_map(|(_, seq)| *seq) else {
+            return Ok(Place::None);
+        };
+        let ticket = ticket(a, &seq.to_string());
+        let kind = |k: &str| rows.iter().any(|(kind, _)| kind == k);
+        Ok(if kind("reserved") {
+            Place::Admitted {
+                ticket,
+                until: None,
+            }
+        } else if kind("expired") {
+            Place::Expired { ticket }
+        } else {
+            Place::SoldOut { ticket }
+        })
     }
 
     /// Whether `user` holds a turn now (or has reserved already).
@@ -503,7 +538,7 @@ impl WaitingRoom {
             now >= a.ends_at || (left == 0 && snap.pending == 0 && self.unpaid(a).await? == 0);
         let turn = Duration::from_secs(self.settings.turn_secs);
         let until = now + chrono::Duration::from_std(turn).unwrap_or_default();
-        let (_, _, _, gen, admitted, left, closed): (i64, i64, i64, String, i64, i64, i64) = self
+        let (_, _, _, gen, admitted, left_line, closed, run_id): AdmitReply = self
             .run(
                 a,
                 &self.admit,
@@ -517,12 +552,11 @@ impl WaitingRoom {
             )
             .await
             .context("admission step")?;
-        if !gen.is_empty() && now < a.ends_at {
-            self.unmoved.saw(
-                &a.id,
-                unmoved::mark(&gen, admitted, left, closed == 1),
-                Instant::now(),
-            );
+        if gen.is_empty() || now >= a.ends_at {
+            self.unmoved.forget(&a.id);
+        } else {
+            let mark = Mark::new(&gen, admitted, left_line, closed == 1);
+            self.unmoved.saw(&a.id, mark, &run_id, Instant::now());
         }
         Ok(())
     }
@@ -1120,7 +1154,7 @@ async fn every_room<F, Fut>(
         }
         let now = Utc::now();
         for a in cache.waiting_rooms(now) {
-            if now > a.ends_at + chrono::Duration::minutes(1) {
+            if now > a.ends_at + LOOP_AFTER_END {
                 continue;
             }
             each(a, now).await;

@@ -798,16 +798,21 @@ async fn polls_of_a_line_that_has_not_moved_cost_redis_nothing() {
         assert!(body["position"].as_u64().is_some(), "{body}");
         told.insert(*u, body);
     }
+    // At most a third of the polls may miss memory (a step late by more
+    // than two ticks on a busy machine); the admitted user's poll, which
+    // memory never answers, is the count's control.
+    let most = 1 + polls / 3;
     let watch = app.watch_redis(&sale).await;
     for i in 0..polls {
         let u = others[i % others.len()];
         assert_eq!(place(&app, &sku, u).await, told[u], "{u}: Redis's answer");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert_eq!(place(&app, &sku, &first).await["state"], "admitted");
     let asked = asked_redis(&app.watched(&sale, watch).await);
     assert!(
-        asked < polls,
-        "{asked} of {polls} waiting polls asked Redis"
+        (1..=most).contains(&asked),
+        "{asked} status calls for {polls} waiting polls and the control"
     );
 
     // Bought and paid: nothing can come back, the others are told sold_out.
@@ -846,17 +851,18 @@ async fn polls_of_a_line_that_has_not_moved_cost_redis_nothing() {
         assert_eq!(place(&app, &sku, u).await["state"], "sold_out", "{u}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert_eq!(place(&app, &sku, &first).await["state"], "admitted");
     let asked = asked_redis(&app.watched(&sale, watch).await);
     assert!(
-        asked < polls,
-        "{asked} of {polls} sold_out polls asked Redis"
+        (1..=most).contains(&asked),
+        "{asked} status calls for {polls} sold_out polls and the control"
     );
 
     // Units come back: the line moves, and no poll is told the old answer
     // for longer than the step that sees it.
     let topped = app.top_up(&id, json!({"add": 3})).await;
     assert_eq!(topped.status(), StatusCode::OK);
-    eventually(Duration::from_secs(10), "the others admitted", || async {
+    eventually(Duration::from_secs(2), "the others admitted", || async {
         for u in &others {
             if place(&app, &sku, u).await["state"] != "admitted" {
                 return None;
@@ -1171,5 +1177,73 @@ async fn only_a_room_redis_lost_something_of_reads_its_journal_back_at_the_draw(
             "another life: {other_life}, {kind}: {figures}"
         );
     }
+    app.stop().await;
+}
+
+/// Once an ended sale's room is gone from Redis (its state removed after the
+/// retention, or lost), each user is told what Redis told them once the room
+/// closed, from MySQL's journal: the buyer `admitted`, the others `sold_out`,
+/// with the same tickets; a user who never joined is still `404`.
+#[tokio::test]
+async fn an_ended_room_gone_from_redis_is_answered_from_the_journal() {
+    let app = TestApp::builder().workers().spawn().await;
+    let spec = SaleSpec {
+        starts_in_secs: 2,
+        open_secs: 4,
+        waiting_room: true,
+        ..SaleSpec::new(1)
+    };
+    let sale = app.open_sale_spec(&spec).await;
+    let users = ["j0", "j1", "j2"];
+    for u in users {
+        assert_eq!(
+            app.join_queue(&sale.sku, u).await.status(),
+            StatusCode::CREATED
+        );
+    }
+    let first = admitted_one(&app, &sale.sku, &users).await;
+    assert_eq!(
+        app.reserve(&sale.sku, &first, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    // Ended, every waiting user told so, and the buyer's turn journalled.
+    let told: HashMap<&str, Value> =
+        eventually(Duration::from_secs(20), "the room closed and journalled", || async {
+            let journalled: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM waiting_room_journal WHERE activity_id = ? AND kind = 'reserved'",
+            )
+            .bind(&sale.id)
+            .fetch_one(&app.state.pool)
+            .await
+            .expect("journal");
+            if journalled == 0 {
+                return None;
+            }
+            let mut told = HashMap::new();
+            for u in users {
+                let body = place(&app, &sale.sku, u).await;
+                let expected = if u == first { "admitted" } else { "sold_out" };
+                if body["state"] != expected {
+                    return None;
+                }
+                told.insert(u, body);
+            }
+            Some(told)
+        })
+        .await;
+    let deleted =
+        testkit::sale::forget_in_redis(std::slice::from_ref(&app.settings.redis.url), &sale.id)
+            .await
+            .expect("delete the sale's keys");
+    assert!(deleted > 0);
+    for u in users {
+        let resp = app.queue_place(&sale.sku, u).await;
+        assert_eq!(resp.status(), StatusCode::OK, "{u}");
+        assert!(!resp.headers().contains_key("retry-after"), "{u}: final");
+        let body: Value = resp.json().await.expect("JSON");
+        assert_eq!(body, told[u], "{u}: what Redis said, from MySQL");
+    }
+    let never = app.queue_place(&sale.sku, "never-joined").await;
+    assert_error(never, StatusCode::NOT_FOUND, "not_found").await;
     app.stop().await;
 }

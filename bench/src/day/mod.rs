@@ -780,19 +780,32 @@ impl Checking {
         if invariants.is_ok() && p.waiting_room {
             let mut places = Vec::new();
             for (k, user) in took.joined.iter().enumerate() {
-                let state = match apis[k % apis.len()]
-                    .queue_place(&sale.sku, Caller::User(user))
-                    .send()
-                    .await
-                {
-                    Ok(r) => r
-                        .json::<serde_json::Value>()
-                        .await
-                        .ok()
-                        .and_then(|b| b["state"].as_str().map(str::to_owned))
-                        .unwrap_or_else(|| "none".into()),
-                    Err(_) => "none".into(),
-                };
+                // What the service answers the user now: `200` with a state,
+                // or `404` ("none"); anything else is asked again.
+                let mut state = "none".to_owned();
+                for attempt in 0..5 {
+                    let answer = apis[(k + attempt) % apis.len()]
+                        .queue_place(&sale.sku, Caller::User(user))
+                        .send()
+                        .await;
+                    if let Ok(r) = answer {
+                        if r.status().as_u16() == 404 {
+                            break;
+                        }
+                        if r.status().is_success() {
+                            if let Some(s) = r
+                                .json::<serde_json::Value>()
+                                .await
+                                .ok()
+                                .and_then(|b| b["state"].as_str().map(str::to_owned))
+                            {
+                                state = s;
+                                break;
+                            }
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
                 places.push((user.clone(), state));
             }
             invariants = probe.room_outcomes(&places).await;

@@ -226,19 +226,28 @@ impl Shop {
             let (reserves, room, follow) = (reserves.clone(), room.clone(), follow.clone());
             tasks.spawn(async move {
                 tokio::time::sleep_until(at.into()).await;
-                shop.wait_turn(&sku, &user, k, pays, ends, &reserves, &room, &follow)
+                let joined = shop
+                    .wait_turn(&sku, &user, k, pays, ends, &reserves, &room, &follow)
                     .await;
+                joined.then_some(user)
             });
         }
-        while tasks.join_next().await.is_some() {}
+        let mut joined = Vec::new();
+        while let Some(done) = tasks.join_next().await {
+            if let Ok(Some(user)) = done {
+                joined.push(user);
+            }
+        }
         Took {
             reserves: take(&reserves),
             room: take(&room),
-            joined: picked,
+            joined,
             follow: take(&follow),
         }
     }
 
+    /// One joiner, until their outcome or the sale's end; whether they ever
+    /// joined.
     #[allow(clippy::too_many_arguments)]
     async fn wait_turn(
         &self,
@@ -250,21 +259,24 @@ impl Shop {
         reserves: &Mutex<Vec<Sample>>,
         room: &Mutex<Vec<Sample>>,
         follow: &Mutex<FollowUps>,
-    ) {
+    ) -> bool {
         let (via, api) = self.api(k);
         self.sent.join.fetch_add(1, Ordering::Relaxed);
         let joined = Sample::take(api.join_queue(sku, Caller::User(user)), via).await;
-        let mut ok = joined.served();
+        let mut ok = is_joined(&joined);
+        let mut ever = ok;
         room.lock().unwrap_or_else(|e| e.into_inner()).push(joined);
         let mut i = k;
         while Instant::now() < ends {
             i += 1;
             let (via, api) = self.api(i);
             if !ok {
-                // The join was not answered: join again (it is idempotent).
+                // Not joined (no answer, or an instance that has not seen the
+                // new sale yet): join again (it is idempotent).
                 self.sent.join.fetch_add(1, Ordering::Relaxed);
                 let again = Sample::take(api.join_queue(sku, Caller::User(user)), via).await;
-                ok = again.served();
+                ok = is_joined(&again);
+                ever |= ok;
                 room.lock().unwrap_or_else(|e| e.into_inner()).push(again);
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
@@ -302,23 +314,30 @@ impl Shop {
                 Some("admitted") => {
                     self.sent.reserve.fetch_add(1, Ordering::Relaxed);
                     let sample = Sample::take(api.reserve(sku, Caller::User(user)), via).await;
-                    let status = sample.answer.status;
+                    let answer = sample.answer.clone();
                     reserves
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .push(sample);
-                    match status {
-                        Some(202) => {
+                    match (answer.status, answer.code.as_deref()) {
+                        (Some(202), _) => {
                             let done = self.follow_up(sku, user, i + 1, pays).await;
                             follow.lock().unwrap_or_else(|e| e.into_inner()).add(&done);
-                            return;
+                            return true;
                         }
-                        // Already holds one (an answer lost on the way).
-                        Some(409) => return,
+                        // Holds one already (an answer lost on the way).
+                        (Some(409), Some("already_reserved")) => return true,
+                        // Sold out within the turn, or no answer: the turn
+                        // stays, and units may come back within it.
                         _ => tokio::time::sleep(Duration::from_secs(1)).await,
                     }
                 }
-                Some("expired") => return,
+                Some("expired") => return true,
+                // Redis no longer knows the user (a room it lost): join again.
+                None if status == Some(404) => {
+                    ok = false;
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
                 // Waiting, or sold out while units may still come back.
                 _ => {
                     let wait = retry.unwrap_or(1).clamp(1, 5);
@@ -326,7 +345,13 @@ impl Shop {
                 }
             }
         }
+        ever
     }
+}
+
+/// `201` joined now, `200` joined before.
+fn is_joined(answer: &Sample) -> bool {
+    matches!(answer.answer.status, Some(200 | 201))
 }
 
 fn take<T: Default>(m: &Arc<Mutex<T>>) -> T {
