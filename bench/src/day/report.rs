@@ -168,6 +168,9 @@ async fn fire(
     out
 }
 
+/// Requests in one look for its figures a request to count.
+const BUSY_LOOK: f64 = 100.0;
+
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / 1_048_576.0
 }
@@ -185,8 +188,10 @@ fn per_request(points: &[Point], side_rate: f64) -> Vec<(f64, Option<f64>, Optio
                 - (b.own_statements - a.own_statements) as f64
                 - side_rate * secs;
             let commands = b.redis_commands.saturating_sub(a.redis_commands) as f64;
-            let q = (requests >= 1.0).then(|| statements.max(0.0) / requests);
-            let r = (requests >= 1.0).then(|| commands / requests);
+            // A look with few requests says more about the background than
+            // about a request.
+            let q = (requests >= BUSY_LOOK).then(|| statements.max(0.0) / requests);
+            let r = (requests >= BUSY_LOOK).then(|| commands / requests);
             (b.t_s, q, r)
         })
         .collect()
@@ -372,7 +377,8 @@ pub fn render(day: &DayRun) -> String {
             md,
             "\nOver the whole day: {:.0} requests, {:.2} MySQL statements a request (every \
              statement of the service's instances and consumers, the consumer's writes, the \
-             sweeper's and the reconciler's included; the most in one {:.0} s look: {:.2}), \
+             sweeper's and the reconciler's included; the most in one {:.0} s look with 100 \
+             requests or more: {:.2}), \
              {:.1} Redis commands a request (every node, the replicas' replication included). \
              The consumer group's lag peaked at {max_lag} messages.\n",
             all_requests,
