@@ -395,24 +395,32 @@ def day_plot(day, out):
     ax.legend(loc="upper left", fontsize=8)
     ax.set_title("Resident memory of each process")
     ax = axes[3]
-    side = day["options"]["side_rate"]
-    xs, qs, rs = [], [], []
+    def commands(a, b):
+        before = dict((port, n) for port, n in a["redis_commands"])
+        # A node whose counter went back was restarted: it counts from 0.
+        return sum(n - before[port] if port in before and n >= before[port] else n
+                   for port, n in b["redis_commands"])
+
+    xs, qs, rxs, rs = [], [], [], []
     for a, b in zip(points, points[1:]):
         req = b["requests"] - a["requests"]
         if req < 100:  # a quiet look says more about the background
             continue
-        secs = b["t_s"] - a["t_s"]
+        rxs.append(b["t_s"] / 60)
+        rs.append(commands(a, b) / req)
+        if a["mysql_questions"] is None or b["mysql_questions"] is None:
+            continue
         stmts = (b["mysql_questions"] - a["mysql_questions"]
-                 - (b["own_statements"] - a["own_statements"]) - side * secs)
+                 - (b["own_statements"] - a["own_statements"])
+                 - (b["side_queries"] - a["side_queries"]))
         xs.append(b["t_s"] / 60)
         qs.append(max(stmts, 0) / req)
-        rs.append(max(b["redis_commands"] - a["redis_commands"], 0) / req)
     ax.plot(xs, qs, label="MySQL statements / request")
     ax.set_ylabel("MySQL / request")
     ax2 = ax.twinx()
-    ax2.plot(xs, rs, color="#2ca02c", label="Redis commands / request")
+    ax2.plot(rxs, rs, color="#2ca02c", label="Redis commands / request")
     ax2.set_ylabel("Redis / request")
-    ax.set_title("Per request (MySQL: the side query and the watch's own taken off)")
+    ax.set_title("Per request, looks with 100 requests or more (MySQL: the side query's and the watch's own taken off)")
     ax = axes[4]
     ax.plot(t, [p["consumer_lag"] if p["consumer_lag"] is not None else float("nan")
                 for p in points])

@@ -141,6 +141,7 @@ impl Services {
             settings.kafka.clone(),
             Duration::from_secs(settings.reconcile.pending_deadline_secs),
             Duration::from_secs(settings.redis.retain_after_end_secs),
+            Duration::from_secs(settings.waiting_room.turn_secs),
         );
         Ok(Services {
             pool,

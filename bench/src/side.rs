@@ -163,6 +163,11 @@ impl SideQuery {
         })
     }
 
+    /// Side queries sent so far.
+    pub fn sent(&self) -> u64 {
+        self.samples.lock().unwrap_or_else(|p| p.into_inner()).len() as u64
+    }
+
     pub fn stop(mut self) {
         self.stop.cancel();
         if let Some(t) = self.thread.take() {

@@ -468,7 +468,8 @@ pub async fn join_queue(
 /// `GET /flash/{sku}/queue`: the user's place, in one Redis round trip (none
 /// before the start for a user this instance saw join, nor after the draw
 /// while the line has not moved); after the end, once Redis no longer holds
-/// the room (the sale's state removed), from MySQL's journal.
+/// the room (the sale's state removed), from MySQL's journal, once per user
+/// and instance.
 pub async fn queue_status(
     State(state): State<AppState>,
     Path(sku): Path<String>,
@@ -477,7 +478,7 @@ pub async fn queue_status(
     let now = Utc::now();
     let activity = room_for(&state, &sku, now)?;
     let place = match activity.redis_removing {
-        true => Place::None,
+        true => None,
         false => state
             .waiting_room
             .place(&activity, &user.id, now)
@@ -485,7 +486,8 @@ pub async fn queue_status(
             .map_err(redis_down)?,
     };
     let place = match place {
-        Place::None if now >= activity.ends_at => state
+        Some(place) => place,
+        None => state
             .waiting_room
             .place_from_journal(&activity, &user.id)
             .await
@@ -493,7 +495,6 @@ pub async fn queue_status(
                 tracing::warn!(error = %format!("{err:#}"), activity_id = %activity.id, "reading an ended room's journal failed");
                 AppError::Unavailable("the waiting room's record cannot be read")
             })?,
-        place => place,
     };
     let place = QueuePlace::of(place)
         .ok_or_else(|| AppError::not_found("this user has not joined the waiting room"))?;

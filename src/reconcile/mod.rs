@@ -138,6 +138,9 @@ pub struct Reconciler {
     pub pending_deadline: Duration,
     /// How long after its end a sale's Redis state is removed.
     pub retain_after_end: Duration,
+    /// How long after its end a waiting room's loop still steps it (its last
+    /// turns run out): its state is not removed before.
+    pub room_after_end: chrono::Duration,
     /// The last report of each activity this instance reconciled.
     pub last: Arc<std::sync::Mutex<std::collections::HashMap<String, Report>>>,
     /// When this instance first found each activity lost from Redis.
@@ -160,6 +163,7 @@ impl Reconciler {
         kafka: KafkaSettings,
         pending_deadline: Duration,
         retain_after_end: Duration,
+        turn: Duration,
     ) -> Self {
         Reconciler {
             activities,
@@ -169,6 +173,7 @@ impl Reconciler {
             kafka,
             pending_deadline,
             retain_after_end,
+            room_after_end: crate::waiting_room::loop_after_end(turn),
             last: Arc::default(),
             lost_since: Arc::default(),
             scans: Arc::default(),

@@ -21,7 +21,8 @@ impl Reconciler {
     /// at the next pass, before any new one. While the sale is still looked
     /// after, a removal waits for its pending reservations (the pass that
     /// decides them needs them), and a waiting room's for its loop to be done
-    /// with it (a minute past the end; its polls are answered from MySQL's
+    /// with it (its last turns run out: a turn and a minute past the end) and
+    /// for its journal to be copied to MySQL (its polls are answered from the
     /// journal once the state is gone). Nothing else brings a removed state back: the reconciler
     /// rebuilds only open sales, and the scripts a late message or a lapse runs
     /// write nothing where the stock key is missing. One sale that fails is
@@ -54,8 +55,10 @@ impl Reconciler {
     pub(super) async fn remove_one(&self, a: &Activity) -> anyhow::Result<bool> {
         let now = Utc::now();
         let looked_after = a.ends_at + crate::activity::LOOKED_AFTER > now;
-        let room_busy = a.admission == crate::activity::Admission::WaitingRoom
-            && a.ends_at + crate::waiting_room::LOOP_AFTER_END >= now;
+        let room = a.admission == crate::activity::Admission::WaitingRoom;
+        let room_busy = room
+            && (a.ends_at + self.room_after_end >= now
+                || self.stock.room_journal_len(a).await? > 0);
         match decide::removal(a.redis_removing, looked_after, room_busy) {
             decide::Removal::Wait => return Ok(false),
             decide::Removal::IfNothingPending => {

@@ -47,6 +47,13 @@ impl StockSnapshot {
 }
 
 impl StockStore {
+    /// Entries of `a`'s waiting-room journal not yet copied to MySQL.
+    pub async fn room_journal_len(&self, a: &crate::activity::Activity) -> RedisResult<u64> {
+        let keys = super::keys::RoomKeys::new(&a.id, a.stock_shards);
+        let mut conn = self.conn.clone();
+        conn.llen(&keys.journal).await
+    }
+
     /// Units Redis may still hand out; `None` when not loaded.
     pub async fn stock_left(&self, activity_id: &str, shards: u8) -> RedisResult<Option<i64>> {
         Ok(self.snapshot(activity_id, shards).await?.stock)

@@ -51,7 +51,7 @@ use redis::RedisResult;
 use sqlx::MySqlPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::activity::{Activity, ActivityCache};
+use crate::activity::{Activity, ActivityCache, LOOKED_AFTER};
 use crate::config::WaitingRoomSettings;
 use crate::orders::OrderRepo;
 use crate::stock::{arg, invoke, Lua, RedisConn, RoomKeys, StockStore};
@@ -61,9 +61,12 @@ mod unmoved;
 use early::{EarlyJoins, Known};
 use unmoved::{Mark, Unmoved};
 
-/// How long past a sale's end its room's loop still steps it (turns running
-/// out, the journal copied).
-pub const LOOP_AFTER_END: chrono::Duration = chrono::Duration::minutes(1);
+/// How long past a sale's end its room's loop still steps it: every turn
+/// given before the end runs out (and is journalled `expired`), and a minute
+/// more.
+pub fn loop_after_end(turn: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(turn).unwrap_or_default() + chrono::Duration::minutes(1)
+}
 /// Places of late joiners start here: behind every drawn place.
 pub const LATE_PLACES: i64 = 1_000_000_000_000;
 /// How long after `starts_at` the draw waits, so that a join an instance with a
@@ -246,6 +249,8 @@ pub struct WaitingRoom {
     unpaid: Mutex<HashMap<String, (Instant, i64)>>,
     early: EarlyJoins,
     unmoved: Unmoved,
+    /// Answers of ended rooms Redis no longer holds (see `place_from_journal`).
+    ended: Ended,
     /// Per room waiting for its draw: whether Redis lost joins MySQL journalled,
     /// as last found for a generation and a count of early joiners in Redis
     /// (looked up again only when either changes: the look reads every journal
@@ -292,6 +297,7 @@ impl WaitingRoom {
             unpaid: Mutex::default(),
             early: EarlyJoins::new(settings_remembered),
             unmoved: Unmoved::new(settings_remembered, tick),
+            ended: Mutex::default(),
             losses: Mutex::default(),
         }
     }
@@ -356,25 +362,34 @@ impl WaitingRoom {
     /// Where `user` stands, in one round trip; before the start, from memory
     /// when this instance has seen the user join (see [`EarlyJoins`]); after
     /// the draw, from memory while the room has not moved since Redis last
-    /// answered the user (see [`Unmoved`]).
-    pub async fn place(&self, a: &Activity, user: &str, now: DateTime<Utc>) -> RedisResult<Place> {
+    /// answered the user (see [`Unmoved`]). `None` once the sale has ended
+    /// and Redis holds no room: ask [`WaitingRoom::place_from_journal`].
+    pub async fn place(
+        &self,
+        a: &Activity,
+        user: &str,
+        now: DateTime<Utc>,
+    ) -> RedisResult<Option<Place>> {
         if let Some(place) = self.remembered(a, user, now).await {
-            return Ok(place);
+            return Ok(Some(place));
         }
         if let Some(place) = self.unmoved.known(&a.id, user, Instant::now()) {
             metrics::counter!("flashsale_waiting_room_answers_from_memory_total").increment(1);
-            return Ok(place);
+            return Ok(Some(place));
         }
         let (state, seq, ahead, until, gen, admitted, left, closed): StatusReply = self
             .run(a, &self.status, &[arg(user), arg(ms(now))])
             .await?;
+        if gen.is_empty() && now >= a.ends_at {
+            return Ok(None);
+        }
         let place = Place::decode(a, (state, seq.clone(), ahead, until));
         self.early.learn(a, user, &seq, &place, &gen, now);
         if now < a.ends_at {
             let mark = Mark::new(&gen, admitted, left, closed == 1);
             self.unmoved.learn(&a.id, user, mark, &place);
         }
-        Ok(place)
+        Ok(Some(place))
     }
 
     /// `user`'s answer from memory, when it cannot have changed: before the
@@ -436,36 +451,48 @@ impl WaitingRoom {
         }
     }
 
-    /// Where `user` stood when the sale ended, from MySQL's journal: for an
-    /// ended sale whose room Redis no longer holds (its state removed after
-    /// the retention), the answer Redis gave once the room closed: a buyer
-    /// `admitted` (reserved), a turn that ran out `expired`, anyone else who
-    /// joined `sold_out`; `None` for a user who never joined.
+    /// Where `user` stood when the sale ended, from MySQL, for an ended sale
+    /// whose room Redis no longer holds (its state removed after the
+    /// retention, or lost): the answer Redis gave once the room closed, a
+    /// buyer `admitted` (reserved), a turn that ran out `expired`, anyone else
+    /// who joined `sold_out`, with their ticket (their arrival number, from
+    /// the journal or the draw); `None` for a user who never joined. Nothing
+    /// changes these any more, so each instance keeps them (up to
+    /// `remembered_joins`; past it, it forgets them all and reads again).
     pub async fn place_from_journal(&self, a: &Activity, user: &str) -> anyhow::Result<Place> {
-        let rows: Vec<(String, Option<u64>)> = sqlx::query_as(
-            "SELECT CAST(kind AS CHAR), joined_seq FROM waiting_room_journal \
+        if let Some(place) = lock_ended(&self.ended)
+            .get(&a.id)
+            .and_then(|room| room.get(user))
+        {
+            return Ok(place.clone());
+        }
+        let rows: Vec<(String, u64)> = sqlx::query_as(
+            "SELECT CAST(kind AS CHAR), CAST(COALESCE(joined_seq, 0) AS UNSIGNED) \
+             FROM waiting_room_journal WHERE activity_id = ? AND user_id = ? \
+             UNION ALL \
+             SELECT 'drawn', joined_seq FROM waiting_room_entries \
              WHERE activity_id = ? AND user_id = ?",
         )
+        .bind(&a.id)
+        .bind(user)
         .bind(&a.id)
         .bind(user)
         .fetch_all(&self.pool)
         .await
         .context("reading the room's journal")?;
-        let Some(seq) = rows.iter().find_map(|(_, seq)| *seq) else {
-            return Ok(Place::None);
-        };
-        let ticket = ticket(a, &seq.to_string());
-        let kind = |k: &str| rows.iter().any(|(kind, _)| kind == k);
-        Ok(if kind("reserved") {
-            Place::Admitted {
-                ticket,
-                until: None,
-            }
-        } else if kind("expired") {
-            Place::Expired { ticket }
-        } else {
-            Place::SoldOut { ticket }
-        })
+        let place = ended_place(a, &rows);
+        let mut ended = lock_ended(&self.ended);
+        let held: usize = ended.values().map(HashMap::len).sum();
+        if held >= self.settings.remembered_joins {
+            ended.clear();
+        }
+        if self.settings.remembered_joins > 0 {
+            ended
+                .entry(a.id.clone())
+                .or_default()
+                .insert(user.to_owned(), place.clone());
+        }
+        Ok(place)
     }
 
     /// Whether `user` holds a turn now (or has reserved already).
@@ -517,6 +544,13 @@ impl WaitingRoom {
         metrics::gauge!("flashsale_waiting_room_remembered_joins").set(self.early.len() as f64);
         metrics::gauge!("flashsale_waiting_room_remembered_places").set(self.unmoved.len() as f64);
         if now < a.starts_at + DRAW_GRACE {
+            return Ok(());
+        }
+        // After the end, a room Redis no longer holds (lost, or removed while
+        // this instance's clock lags) is not built again: its polls are
+        // answered from MySQL's journal, and a room built now would never be
+        // removed.
+        if now >= a.ends_at && self.generation(a).await?.is_none() {
             return Ok(());
         }
         self.ensure_drawn(a).await?;
@@ -998,6 +1032,38 @@ async fn load_journal(pool: &MySqlPool, activity_id: &str) -> anyhow::Result<Vec
     Ok(rows)
 }
 
+/// The answer of an ended room to a user, from their rows in MySQL: the
+/// journal's (`early`, `late` with the arrival number; `reserved`, `expired`)
+/// and the draw's (`drawn`, with the arrival number).
+fn ended_place(a: &Activity, rows: &[(String, u64)]) -> Place {
+    let kind = |k: &str| rows.iter().any(|(kind, _)| kind == k);
+    let seq = rows
+        .iter()
+        .find(|(kind, _)| matches!(kind.as_str(), "early" | "late" | "drawn"))
+        .map(|(_, seq)| *seq);
+    let Some(seq) = seq else {
+        return Place::None;
+    };
+    let ticket = ticket(a, &seq.to_string());
+    if kind("reserved") {
+        Place::Admitted {
+            ticket,
+            until: None,
+        }
+    } else if kind("expired") {
+        Place::Expired { ticket }
+    } else {
+        Place::SoldOut { ticket }
+    }
+}
+
+/// Ended rooms' answers, by activity and user.
+type Ended = Mutex<HashMap<String, HashMap<String, Place>>>;
+
+fn lock_ended(m: &Ended) -> std::sync::MutexGuard<'_, HashMap<String, HashMap<String, Place>>> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn ticket(a: &Activity, seq: &str) -> String {
     format!("{}-{seq}", a.id)
 }
@@ -1110,7 +1176,9 @@ const JOURNAL_EVERY: Duration = Duration::from_millis(500);
 const JOURNAL_TIMEOUT: Duration = Duration::from_secs(5);
 
 async fn copy_journals(room: &WaitingRoom, cache: &ActivityCache, shutdown: CancellationToken) {
-    every_room(JOURNAL_EVERY, cache, shutdown, |a, _| async move {
+    // Until every entry is copied: a room's state is removed only once its
+    // journal is empty (see `reconcile::retention`).
+    every_room(JOURNAL_EVERY, LOOKED_AFTER, cache, shutdown, |a, _| async move {
         match tokio::time::timeout(JOURNAL_TIMEOUT, room.copy_journal(&a)).await {
             Ok(Ok(())) => {}
             Ok(Err(err)) => {
@@ -1126,7 +1194,8 @@ async fn copy_journals(room: &WaitingRoom, cache: &ActivityCache, shutdown: Canc
 
 async fn admit_every_tick(room: &WaitingRoom, cache: &ActivityCache, shutdown: CancellationToken) {
     let every = Duration::from_millis(room.settings.tick_ms);
-    every_room(every, cache, shutdown, |a, now| async move {
+    let after_end = loop_after_end(Duration::from_secs(room.settings.turn_secs));
+    every_room(every, after_end, cache, shutdown, |a, now| async move {
         if let Err(err) = room.step(&a, now).await {
             tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "waiting room step failed");
         }
@@ -1134,10 +1203,12 @@ async fn admit_every_tick(room: &WaitingRoom, cache: &ActivityCache, shutdown: C
     .await
 }
 
-/// Runs `each` every `every` on each activity with a waiting room, until a minute
-/// past its end, until `shutdown`.
+/// Runs `each` every `every` on each activity with a waiting room, until
+/// `after_end` past its end (and while the cache keeps it: an hour, until its
+/// state is removed), until `shutdown`.
 async fn every_room<F, Fut>(
     every: Duration,
+    after_end: chrono::Duration,
     cache: &ActivityCache,
     shutdown: CancellationToken,
     mut each: F,
@@ -1154,7 +1225,7 @@ async fn every_room<F, Fut>(
         }
         let now = Utc::now();
         for a in cache.waiting_rooms(now) {
-            if now > a.ends_at + LOOP_AFTER_END {
+            if now > a.ends_at + after_end {
                 continue;
             }
             each(a, now).await;

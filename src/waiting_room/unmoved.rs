@@ -107,6 +107,9 @@ type Answers = HashMap<Box<str>, (Mark, Place)>;
 struct Room {
     seen: RwLock<Option<Seen>>,
     parts: Vec<Mutex<Answers>>,
+    /// Answers held: counted per room, so a room dropped while a poll was
+    /// learning into it takes its count with it.
+    held: AtomicUsize,
 }
 
 impl Room {
@@ -114,27 +117,23 @@ impl Room {
         Room {
             seen: RwLock::new(None),
             parts: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            held: AtomicUsize::new(0),
         }
     }
 
-    /// Drops every answer; returns how many there were.
-    fn clear(&self) -> usize {
-        self.parts
-            .iter()
-            .map(|p| {
-                let mut p = lock(p);
-                let n = p.len();
-                p.clear();
-                n
-            })
-            .sum()
+    /// Drops every answer.
+    fn clear(&self) {
+        for p in &self.parts {
+            let mut p = lock(p);
+            self.held.fetch_sub(p.len(), Ordering::Relaxed);
+            p.clear();
+        }
     }
 }
 
 pub struct Unmoved {
     cap: usize,
     fresh: Duration,
-    len: AtomicUsize,
     hasher: RandomState,
     rooms: RwLock<HashMap<Box<str>, Arc<Room>>>,
 }
@@ -144,7 +143,6 @@ impl Unmoved {
         Unmoved {
             cap,
             fresh: fresh(tick),
-            len: AtomicUsize::new(0),
             hasher: RandomState::new(),
             rooms: RwLock::default(),
         }
@@ -152,7 +150,12 @@ impl Unmoved {
 
     /// Answers held, across rooms.
     pub fn len(&self) -> usize {
-        self.len.load(Ordering::Relaxed)
+        self.rooms
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|r| r.held.load(Ordering::Relaxed))
+            .sum()
     }
 
     fn room(&self, activity_id: &str) -> Option<Arc<Room>> {
@@ -180,20 +183,13 @@ impl Unmoved {
             Some(room) => room,
             None => {
                 let mut rooms = self.rooms.write().unwrap_or_else(|e| e.into_inner());
-                let mut dropped = 0;
                 rooms.retain(|_, r| {
-                    let old = r
-                        .seen
+                    r.seen
                         .read()
                         .unwrap_or_else(|e| e.into_inner())
                         .as_ref()
-                        .is_none_or(|s| at.saturating_duration_since(s.at) > STALE_ROOM);
-                    if old {
-                        dropped += r.clear();
-                    }
-                    !old
+                        .is_some_and(|s| at.saturating_duration_since(s.at) <= STALE_ROOM)
                 });
-                self.len.fetch_sub(dropped, Ordering::Relaxed);
                 rooms
                     .entry(activity_id.into())
                     .or_insert_with(|| Arc::new(Room::new()))
@@ -213,8 +209,7 @@ impl Unmoved {
             moved
         };
         if moved {
-            let dropped = room.clear();
-            self.len.fetch_sub(dropped, Ordering::Relaxed);
+            room.clear();
         }
     }
 
@@ -245,22 +240,23 @@ impl Unmoved {
             place,
             Place::Waiting { ahead: Some(_), .. } | Place::SoldOut { .. }
         );
-        let mut part = lock(self.part(&room, user));
-        if !keep {
-            if part.remove(user).is_some() {
-                self.len.fetch_sub(1, Ordering::Relaxed);
+        if keep && self.len() >= self.cap {
+            let mut part = lock(self.part(&room, user));
+            if let Some(held) = part.get_mut(user) {
+                *held = (mark, place.clone());
             }
             return;
         }
-        if let Some(held) = part.get_mut(user) {
-            *held = (mark, place.clone());
+        let mut part = lock(self.part(&room, user));
+        if !keep {
+            if part.remove(user).is_some() {
+                room.held.fetch_sub(1, Ordering::Relaxed);
+            }
             return;
         }
-        if self.len() >= self.cap {
-            return;
+        if part.insert(user.into(), (mark, place.clone())).is_none() {
+            room.held.fetch_add(1, Ordering::Relaxed);
         }
-        part.insert(user.into(), (mark, place.clone()));
-        self.len.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Forgets a room (its sale has ended, or Redis holds no drawn room).
@@ -271,8 +267,7 @@ impl Unmoved {
             .unwrap_or_else(|e| e.into_inner())
             .remove(activity_id);
         if let Some(room) = room {
-            let dropped = room.clear();
-            self.len.fetch_sub(dropped, Ordering::Relaxed);
+            room.clear();
         }
     }
 }

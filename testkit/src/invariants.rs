@@ -202,8 +202,10 @@ impl Probe {
     /// every user who joined with the state `GET /flash/{sku}/queue` answers
     /// them now (`"none"` when it does not know them). Each must have been told
     /// an outcome: an order (whatever became of it), or `expired`, or
-    /// `sold_out`; and no one may be told `sold_out` or left waiting while units
-    /// are for sale in Redis. `Err` names who and how many.
+    /// `sold_out`; and while the sale is open, no one may be told `sold_out`
+    /// or left waiting while units are for sale in Redis (once it has ended,
+    /// no unit is for sale: a lapse that returns one after the end reopens
+    /// nothing). `Err` names who and how many.
     pub async fn room_outcomes(&self, places: &[(String, String)]) -> Result<(), String> {
         let pool = self.pool().await?;
         let ordered: Result<Vec<(String,)>, String> =
@@ -220,12 +222,22 @@ impl Probe {
                 .fetch_all(&pool)
                 .await
                 .map_err(|e| e.to_string());
+        let ended: Result<i64, String> = sqlx::query_scalar(
+            "SELECT CAST(ends_at <= NOW(3) AS SIGNED) FROM activities WHERE id = ?",
+        )
+        .bind(&self.activity_id)
+        .fetch_one(&pool)
+        .await
+        .map_err(|e| e.to_string());
         let state = self.redis_state(&pool).await;
         pool.close().await;
         let ordered: std::collections::HashSet<String> =
             ordered?.into_iter().map(|(u,)| u).collect();
         let drawn: std::collections::HashSet<String> = drawn?.into_iter().map(|(u,)| u).collect();
-        let left = state?.0.stock.unwrap_or(0);
+        let ended = ended? != 0;
+        let Some(left) = state?.0.stock else {
+            return Err("the sale is not loaded in Redis: its units cannot be told".into());
+        };
         let mut untold: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
         let mut shut_out = 0;
         for (user, place) in places {
@@ -234,7 +246,7 @@ impl Probe {
             }
             match place.as_str() {
                 "expired" => {}
-                "sold_out" if left <= 0 => {}
+                "sold_out" if left <= 0 || ended => {}
                 "sold_out" => shut_out += 1,
                 other => untold.entry(other).or_default().push(user),
             }

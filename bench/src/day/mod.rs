@@ -410,7 +410,7 @@ pub async fn run(opts: DayOptions) -> anyhow::Result<DayRun> {
     MySql::create_database(&side_url)
         .await
         .context("failed to create the side database")?;
-    let side = SideQuery::start(&side_url, opts.side_rate).await?;
+    let side = Arc::new(SideQuery::start(&side_url, opts.side_rate).await?);
     let outcome = async {
         let mut dep = Deployment::start(&opts, &settings, &work).await?;
         let idle_from = crate::clock::now_unix_ms();
@@ -454,7 +454,10 @@ pub async fn run(opts: DayOptions) -> anyhow::Result<DayRun> {
         })
     }
     .await;
-    side.stop();
+    // The watch that shared it has stopped.
+    if let Ok(side) = Arc::try_unwrap(side) {
+        side.stop();
+    }
     let _ = MySql::drop_database(&side_url).await;
     let day = outcome?;
     let json = opts.out.join("day.json");
@@ -479,7 +482,7 @@ type DayOutcome = (
 async fn the_day(
     opts: &DayOptions,
     dep: &mut Deployment,
-    side: &SideQuery,
+    side: &Arc<SideQuery>,
 ) -> anyhow::Result<DayOutcome> {
     let planned = plan::plan(opts.sales, opts.minutes, opts.clicks_per_s, opts.joiners);
     let users: Vec<String> = (0..opts.users).map(|i| format!("day-{i}")).collect();
@@ -499,6 +502,7 @@ async fn the_day(
             mysql_url: dep.mysql_url.clone(),
             kafka: dep.kafka.clone(),
             sent: shop.sent.clone(),
+            side: side.clone(),
         },
         t0,
         Duration::from_secs_f64(opts.every_s),

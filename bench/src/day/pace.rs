@@ -66,6 +66,9 @@ pub struct PaceRun {
     /// wrote in, the backlog included).
     pub orders_per_s_writing: f64,
     pub max_lag: i64,
+    /// Orders written while the consumers were stopped (their stop settled):
+    /// 0, or the comparison is void.
+    pub written_while_paused: i64,
     /// Seconds from the last click until the consumers had written every order.
     pub drained_s: Option<f64>,
 }
@@ -132,6 +135,7 @@ pub async fn run(
     let mut paused = Vec::new();
     let mut max_lag = 0;
     let (mut written, mut wrote_for) = (0i64, 0.0f64);
+    let mut written_paused = 0i64;
     for _ in 0..cycles {
         let before = dep.order_count().await?;
         let from = now_unix_ms();
@@ -142,8 +146,13 @@ pub async fn run(
         writing.push((from + SETTLE_MS, to));
         dep.pause_consumers();
         let from = now_unix_ms();
-        tokio::time::sleep(WINDOW).await;
+        // What the consumers wrote after their stop had settled: nothing, or
+        // the stop did not take.
+        tokio::time::sleep(Duration::from_millis(SETTLE_MS as u64)).await;
+        let stopped_at = dep.order_count().await?;
+        tokio::time::sleep(WINDOW - Duration::from_millis(SETTLE_MS as u64)).await;
         let to = now_unix_ms();
+        written_paused += dep.order_count().await? - stopped_at;
         paused.push((from + SETTLE_MS, to));
         if let Ok(lag) = flashsale::kafka::consumer_lag(&dep.kafka).await {
             max_lag = max_lag.max(lag);
@@ -163,10 +172,10 @@ pub async fn run(
     .map(|()| last_click.elapsed().as_secs_f64());
     let writing = side.windows(&writing)?;
     let paused = side.windows(&paused)?;
-    let p99_ratio = if paused.latency.p99_ms > 0.0 {
+    let p99_ratio = if paused.latency.p99_ms > 0.0 && written_paused == 0 {
         writing.latency.p99_ms / paused.latency.p99_ms
     } else {
-        0.0
+        f64::NAN
     };
     Ok(PaceRun {
         variant: variant.name.to_owned(),
@@ -182,6 +191,7 @@ pub async fn run(
             0.0
         },
         max_lag,
+        written_while_paused: written_paused,
         drained_s: drained,
     })
 }

@@ -6,15 +6,16 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use serde::Serialize;
+use sqlx::{Connection, MySqlConnection};
 use testkit::api::Caller;
 use testkit::sale::Sale;
 use tokio::task::JoinSet;
 
 use super::shop::Shop;
-use super::watch::{questions, redis_figures, Point};
+use super::watch::{commands_between, questions_on, redis_figures, Point};
 use super::{DayRun, Deployment};
-use crate::clock::now_unix_ms;
 use crate::side::SideQuery;
 
 /// What one poll costs MySQL and Redis, measured on a quiet deployment: the
@@ -42,41 +43,46 @@ pub struct PollCosts {
 /// Counters at one moment.
 struct Counters {
     at: Instant,
-    unix_ms: f64,
+    side: u64,
     questions: u64,
-    commands: u64,
+    commands: Vec<(u16, u64)>,
 }
 
-async fn counters(url: &str, ports: &[u16]) -> Counters {
+async fn counters(
+    conn: &mut MySqlConnection,
+    ports: &[u16],
+    side: &SideQuery,
+) -> anyhow::Result<Counters> {
     let at = Instant::now();
-    let unix_ms = now_unix_ms();
-    let questions = questions(url).await.unwrap_or(0);
+    let side = side.sent();
+    let questions = questions_on(conn)
+        .await
+        .context("MariaDB's statement counter")?;
     let (_, _, commands) = redis_figures(ports).await;
-    Counters {
+    Ok(Counters {
         at,
-        unix_ms,
+        side,
         questions,
         commands,
-    }
+    })
 }
 
 /// (statements, commands, seconds) between two looks, the side query's and
-/// the look's own statement taken off. Each look asks every node `INFO`
-/// twice and the primaries `DBSIZE`, counted in Redis's total as well.
-fn between(a: &Counters, b: &Counters, side: &SideQuery, nodes: usize) -> (f64, f64, f64) {
-    let side_queries = side
-        .window(a.unix_ms, b.unix_ms)
-        .map(|s| s.queries)
-        .unwrap_or(0);
-    let statements = b.questions.saturating_sub(a.questions) as f64 - side_queries as f64 - 1.0;
-    let own_commands = (nodes * 5) as f64;
-    let commands = b.commands.saturating_sub(a.commands) as f64 - own_commands;
+/// the look's own statement taken off. Each look asks every node `INFO` four
+/// times, and the primaries `INFO` and `DBSIZE` once more (6 commands a node
+/// at most), counted in Redis's total as well.
+fn between(a: &Counters, b: &Counters, nodes: usize) -> (f64, f64, f64) {
+    let side_queries = b.side.saturating_sub(a.side) as f64;
+    let statements = b.questions.saturating_sub(a.questions) as f64 - side_queries - 1.0;
+    let own_commands = (nodes * 6) as f64;
+    let commands = commands_between(&a.commands, &b.commands) as f64 - own_commands;
     (statements, commands, (b.at - a.at).as_secs_f64())
 }
 
 /// Reservation polls of the sale's winners and waiting-room polls of its
 /// joiners, `polls` of each at 200 a second over both instances, after a
-/// quiet stretch as long as each.
+/// quiet stretch as long as each. The sale's state must be in Redis
+/// throughout (its retention not passed), or the figures are refused.
 pub async fn poll_costs(
     dep: &Deployment,
     shop: &Shop,
@@ -92,14 +98,23 @@ pub async fn poll_costs(
             .bind(&sale.id)
             .fetch_all(&pool)
             .await?;
-    pool.close().await;
+    let removed = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT CAST(redis_removing AS SIGNED) FROM activities WHERE id = ?",
+        )
+        .bind(&sale.id)
+        .fetch_one(&pool)
+        .await
+    };
+    anyhow::ensure!(removed().await? == 0, "the sale's state is gone already");
+    let mut conn = MySqlConnection::connect(&dep.mysql_url).await?;
     let rate = 200.0;
     let secs = polls as f64 / rate;
     eprintln!("== day: the cost of a poll ({polls} of each kind, {secs:.0} s each)");
-    let a = counters(&dep.mysql_url, ports).await;
+    let a = counters(&mut conn, ports, side).await?;
     tokio::time::sleep(Duration::from_secs_f64(secs)).await;
-    let b = counters(&dep.mysql_url, ports).await;
-    let (bq, br, bs) = between(&a, &b, side, ports.len());
+    let b = counters(&mut conn, ports, side).await?;
+    let (bq, br, bs) = between(&a, &b, ports.len());
     let (bg_q, bg_r) = (bq / bs, br / bs);
     let mut kinds = Vec::new();
     for (kind, users) in [
@@ -109,10 +124,10 @@ pub async fn poll_costs(
         if users.is_empty() {
             continue;
         }
-        let a = counters(&dep.mysql_url, ports).await;
+        let a = counters(&mut conn, ports, side).await?;
         let answers = fire(shop, &sale.sku, kind, users, polls, rate).await;
-        let b = counters(&dep.mysql_url, ports).await;
-        let (q, r, s) = between(&a, &b, side, ports.len());
+        let b = counters(&mut conn, ports, side).await?;
+        let (q, r, s) = between(&a, &b, ports.len());
         kinds.push(PollCost {
             kind: kind.to_owned(),
             polls,
@@ -122,6 +137,11 @@ pub async fn poll_costs(
             redis_per_poll: ((r - bg_r * s) / polls as f64).max(0.0),
         });
     }
+    anyhow::ensure!(
+        removed().await? == 0,
+        "the sale's state went during the measurement"
+    );
+    pool.close().await;
     Ok(PollCosts {
         background_mysql_per_s: bg_q,
         background_redis_per_s: bg_r,
@@ -175,24 +195,40 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / 1_048_576.0
 }
 
-/// Statements a request and commands a request over `[a, b]` of the timeline
-/// (the watch's own statements and the side query's taken off).
-fn per_request(points: &[Point], side_rate: f64) -> Vec<(f64, Option<f64>, Option<f64>)> {
+/// Statements and commands between two looks (the watch's own statements
+/// and the side query's taken off); `None` where MySQL's counter was not read.
+fn spent(a: &Point, b: &Point) -> (Option<f64>, f64) {
+    let statements = match (a.mysql_questions, b.mysql_questions) {
+        (Some(qa), Some(qb)) => Some(
+            qb.saturating_sub(qa) as f64
+                - (b.own_statements - a.own_statements) as f64
+                - b.side_queries.saturating_sub(a.side_queries) as f64,
+        ),
+        _ => None,
+    };
+    let commands = commands_between(&a.redis_commands, &b.redis_commands) as f64;
+    (statements, commands)
+}
+
+/// Statements a request and commands a request between each two looks with
+/// at least [`BUSY_LOOK`] requests between them.
+fn per_request(points: &[Point]) -> Vec<(f64, Option<f64>, f64)> {
     points
         .windows(2)
-        .map(|w| {
+        .filter_map(|w| {
             let (a, b) = (&w[0], &w[1]);
             let requests = b.requests.saturating_sub(a.requests) as f64;
-            let secs = b.t_s - a.t_s;
-            let statements = b.mysql_questions.saturating_sub(a.mysql_questions) as f64
-                - (b.own_statements - a.own_statements) as f64
-                - side_rate * secs;
-            let commands = b.redis_commands.saturating_sub(a.redis_commands) as f64;
             // A look with few requests says more about the background than
             // about a request.
-            let q = (requests >= BUSY_LOOK).then(|| statements.max(0.0) / requests);
-            let r = (requests >= BUSY_LOOK).then(|| commands / requests);
-            (b.t_s, q, r)
+            if requests < BUSY_LOOK {
+                return None;
+            }
+            let (statements, commands) = spent(a, b);
+            Some((
+                b.t_s,
+                statements.map(|q| q.max(0.0) / requests),
+                commands / requests,
+            ))
         })
         .collect()
 }
@@ -239,7 +275,7 @@ pub fn render(day: &DayRun) -> String {
     for p in &day.pace {
         let _ = writeln!(
             md,
-            "| {} | {:.0} | {} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {:.2}× | {} |",
+            "| {} | {:.0} | {} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms | {} | {} |",
             p.variant,
             p.orders_per_s_writing,
             p.max_lag,
@@ -247,7 +283,14 @@ pub fn render(day: &DayRun) -> String {
             p.writing.latency.p99_ms,
             p.paused.latency.p50_ms,
             p.paused.latency.p99_ms,
-            p.p99_ratio,
+            if p.p99_ratio.is_finite() {
+                format!("{:.2}×", p.p99_ratio)
+            } else {
+                format!(
+                    "void ({} orders written while stopped)",
+                    p.written_while_paused
+                )
+            },
             p.drained_s
                 .map_or("not within 180 s".into(), |s| format!("{s:.1} s"))
         );
@@ -362,12 +405,14 @@ pub fn render(day: &DayRun) -> String {
                 mib(series.last().copied().unwrap_or(0))
             );
         }
-        let rates = per_request(pts, o.side_rate);
+        let rates = per_request(pts);
         let all_requests = last.requests.saturating_sub(first.requests) as f64;
-        let statements = last.mysql_questions.saturating_sub(first.mysql_questions) as f64
-            - (last.own_statements - first.own_statements) as f64
-            - o.side_rate * (last.t_s - first.t_s);
-        let commands = last.redis_commands.saturating_sub(first.redis_commands) as f64;
+        let (mut statements, mut commands) = (0.0, 0.0);
+        for w in pts.windows(2) {
+            let (q, r) = spent(&w[0], &w[1]);
+            statements += q.unwrap_or(0.0);
+            commands += r;
+        }
         let busiest = rates
             .iter()
             .filter_map(|(_, q, _)| *q)

@@ -13,6 +13,7 @@ use sqlx::{Connection, MySqlConnection};
 
 use super::shop::Sent;
 use crate::clock::now_unix_ms;
+use crate::side::SideQuery;
 
 /// One look.
 #[derive(Debug, Clone, Serialize)]
@@ -24,15 +25,18 @@ pub struct Point {
     pub redis_bytes: u64,
     /// Keys summed over the primaries.
     pub redis_keys: u64,
-    /// `total_commands_processed` summed over every live node (cumulative;
-    /// a restarted node starts again from 0).
-    pub redis_commands: u64,
+    /// `total_commands_processed` of every live node, by port (cumulative; a
+    /// restarted node starts again from 0).
+    pub redis_commands: Vec<(u16, u64)>,
     /// Resident memory of each process, by name.
     pub rss_bytes: Vec<(String, u64)>,
-    /// MariaDB's `Questions` (cumulative, every client's statements).
-    pub mysql_questions: u64,
+    /// MariaDB's `Questions` (cumulative, every client's statements); `None`
+    /// when the look failed.
+    pub mysql_questions: Option<u64>,
     /// Statements this watch sent itself (cumulative), to take off.
     pub own_statements: u64,
+    /// Side queries sent (cumulative), to take off.
+    pub side_queries: u64,
     /// Requests the buyers sent (cumulative).
     pub requests: u64,
     pub consumer_lag: Option<i64>,
@@ -53,6 +57,7 @@ pub struct Targets {
     pub mysql_url: String,
     pub kafka: KafkaSettings,
     pub sent: Arc<Sent>,
+    pub side: Arc<SideQuery>,
 }
 
 impl Watch {
@@ -63,11 +68,12 @@ impl Watch {
             let (points, stop) = (points.clone(), stop.clone());
             tokio::spawn(async move {
                 let mut own = 0u64;
+                let mut conn = None;
                 let mut tick = tokio::time::interval(every);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 while !stop.load(Ordering::SeqCst) {
                     tick.tick().await;
-                    let point = look(&targets, t0, &mut own).await;
+                    let point = look(&targets, t0, &mut conn, &mut own).await;
                     points.lock().unwrap_or_else(|e| e.into_inner()).push(point);
                 }
             })
@@ -93,13 +99,30 @@ impl Watch {
     }
 }
 
-/// One look at everything.
-pub async fn look(targets: &Targets, t0: Instant, own: &mut u64) -> Point {
+/// One look at everything, MySQL's counter on `conn` (kept open, so each look
+/// costs one statement of its own; a connection opened again costs a few
+/// more, not counted).
+pub async fn look(
+    targets: &Targets,
+    t0: Instant,
+    conn: &mut Option<MySqlConnection>,
+    own: &mut u64,
+) -> Point {
     let unix_ms = now_unix_ms();
     let t_s = t0.elapsed().as_secs_f64();
+    let side_queries = targets.side.sent();
     let redis = redis_figures(&targets.redis_ports).await;
-    let mysql_questions = questions(&targets.mysql_url).await.unwrap_or(0);
+    if conn.is_none() {
+        *conn = MySqlConnection::connect(&targets.mysql_url).await.ok();
+    }
+    let mysql_questions = match conn.as_mut() {
+        Some(c) => questions_on(c).await,
+        None => None,
+    };
     *own += 1;
+    if mysql_questions.is_none() {
+        *conn = None;
+    }
     let consumer_lag = tokio::time::timeout(
         Duration::from_secs(3),
         flashsale::kafka::consumer_lag(&targets.kafka),
@@ -120,35 +143,45 @@ pub async fn look(targets: &Targets, t0: Instant, own: &mut u64) -> Point {
             .collect(),
         mysql_questions,
         own_statements: *own,
+        side_queries,
         requests: targets.sent.total(),
         consumer_lag,
     }
 }
 
-/// MariaDB's `Questions`: statements from every client (our own one included).
-pub async fn questions(url: &str) -> Option<u64> {
-    let mut conn = MySqlConnection::connect(url).await.ok()?;
+/// MariaDB's `Questions`: statements from every client (this one included).
+pub async fn questions_on(conn: &mut MySqlConnection) -> Option<u64> {
     let row: Option<(String, String)> =
         sqlx::query_as("SHOW GLOBAL STATUS WHERE Variable_name = 'Questions'")
-            .fetch_optional(&mut conn)
+            .fetch_optional(conn)
             .await
             .ok()?;
-    let _ = conn.close().await;
     row.and_then(|(_, v)| v.parse().ok())
 }
 
-/// (used memory, keys) summed over the primaries, and commands processed
-/// summed over every live node; a node that does not answer within half a
-/// second (a dead one) is skipped.
-pub async fn redis_figures(ports: &[u16]) -> (u64, u64, u64) {
-    let (mut bytes, mut keys, mut commands) = (0, 0, 0);
+/// Commands processed between two looks, summed over nodes: a node whose
+/// counter went back was restarted, and counts from 0.
+pub fn commands_between(a: &[(u16, u64)], b: &[(u16, u64)]) -> u64 {
+    b.iter()
+        .map(|(port, now)| match a.iter().find(|(p, _)| p == port) {
+            Some((_, before)) if now >= before => now - before,
+            _ => *now,
+        })
+        .sum()
+}
+
+/// (used memory, keys) summed over the primaries, and commands processed by
+/// every live node; a node that does not answer within half a second (a dead
+/// one) is skipped.
+pub async fn redis_figures(ports: &[u16]) -> (u64, u64, Vec<(u16, u64)>) {
+    let (mut bytes, mut keys, mut commands) = (0, 0, Vec::new());
     let half = Duration::from_millis(500);
     for port in ports {
         let url = format!("redis://127.0.0.1:{port}");
         let Ok(Ok(c)) = tokio::time::timeout(half, crate::redis_info::counters(&url)).await else {
             continue;
         };
-        commands += c.commands;
+        commands.push((*port, c.commands));
         if let Ok(Ok(Some(n))) =
             tokio::time::timeout(half, crate::redis_info::primary_keys(&url)).await
         {
