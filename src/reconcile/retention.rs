@@ -56,9 +56,16 @@ impl Reconciler {
         let now = Utc::now();
         let looked_after = a.ends_at + crate::activity::LOOKED_AFTER > now;
         let room = a.admission == crate::activity::Admission::WaitingRoom;
-        let room_busy = room
-            && (a.ends_at + self.room_after_end >= now
-                || self.stock.room_journal_len(a).await? > 0);
+        if room && !a.redis_removing {
+            // A journal not yet copied to MySQL would go with the keys: the
+            // removal waits for it, however long ago the sale ended.
+            let uncopied = self.stock.room_journal_len(a).await?;
+            if uncopied > 0 {
+                tracing::warn!(activity_id = %a.id, uncopied, "an ended room's journal is not copied to MySQL yet; its Redis state waits");
+                return Ok(false);
+            }
+        }
+        let room_busy = room && a.ends_at + self.room_after_end >= now;
         match decide::removal(a.redis_removing, looked_after, room_busy) {
             decide::Removal::Wait => return Ok(false),
             decide::Removal::IfNothingPending => {

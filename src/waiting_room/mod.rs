@@ -126,8 +126,8 @@ enum Joined {
 }
 
 /// `status.lua`'s reply: the place's four values, then the room's mark
-/// (generation, admitted, left, closed).
-type StatusReply = (String, String, i64, i64, String, i64, i64, i64);
+/// (generation, admitted, left, closed), then 1 when the room is drawn.
+type StatusReply = (String, String, i64, i64, String, i64, i64, i64, i64);
 
 /// `admit.lua`'s reply: admitted and unsettled, admitted now, expired now, the
 /// room's mark (generation, admitted, left, closed) and Redis's run id.
@@ -363,7 +363,7 @@ impl WaitingRoom {
     /// when this instance has seen the user join (see [`EarlyJoins`]); after
     /// the draw, from memory while the room has not moved since Redis last
     /// answered the user (see [`Unmoved`]). `None` once the sale has ended
-    /// and Redis holds no room: ask [`WaitingRoom::place_from_journal`].
+    /// and Redis holds no drawn room: ask [`WaitingRoom::place_from_journal`].
     pub async fn place(
         &self,
         a: &Activity,
@@ -377,10 +377,10 @@ impl WaitingRoom {
             metrics::counter!("flashsale_waiting_room_answers_from_memory_total").increment(1);
             return Ok(Some(place));
         }
-        let (state, seq, ahead, until, gen, admitted, left, closed): StatusReply = self
+        let (state, seq, ahead, until, gen, admitted, left, closed, drawn): StatusReply = self
             .run(a, &self.status, &[arg(user), arg(ms(now))])
             .await?;
-        if gen.is_empty() && now >= a.ends_at {
+        if drawn == 0 && now >= a.ends_at {
             return Ok(None);
         }
         let place = Place::decode(a, (state, seq.clone(), ahead, until));
@@ -486,7 +486,9 @@ impl WaitingRoom {
         if held >= self.settings.remembered_joins {
             ended.clear();
         }
-        if self.settings.remembered_joins > 0 {
+        // A user who never joined is not kept: a flood of unknown ids would
+        // push the real answers out.
+        if self.settings.remembered_joins > 0 && place != Place::None {
             ended
                 .entry(a.id.clone())
                 .or_default()
@@ -546,11 +548,11 @@ impl WaitingRoom {
         if now < a.starts_at + DRAW_GRACE {
             return Ok(());
         }
-        // After the end, a room Redis no longer holds (lost, or removed while
-        // this instance's clock lags) is not built again: its polls are
+        // After the end, a room Redis no longer holds drawn (lost, or removed
+        // while this instance's clock lags) is not drawn again: its polls are
         // answered from MySQL's journal, and a room built now would never be
         // removed.
-        if now >= a.ends_at && self.generation(a).await?.is_none() {
+        if now >= a.ends_at && !self.drawn(a).await? {
             return Ok(());
         }
         self.ensure_drawn(a).await?;
@@ -617,6 +619,18 @@ impl WaitingRoom {
             .unwrap_or_else(|e| e.into_inner())
             .insert(a.id.clone(), (Instant::now(), n));
         Ok(n)
+    }
+
+    /// Whether Redis holds the room drawn (a room rebuilt after a loss is
+    /// drawn again).
+    async fn drawn(&self, a: &Activity) -> redis::RedisResult<bool> {
+        let keys = RoomKeys::new(&a.id, a.stock_shards);
+        let mut conn = self.conn.clone();
+        redis::cmd("HEXISTS")
+            .arg(&keys.meta)
+            .arg("seed")
+            .query_async(&mut conn)
+            .await
     }
 
     /// The room's generation: which life in Redis it is (`None`: no room
@@ -1037,9 +1051,12 @@ async fn load_journal(pool: &MySqlPool, activity_id: &str) -> anyhow::Result<Vec
 /// and the draw's (`drawn`, with the arrival number).
 fn ended_place(a: &Activity, rows: &[(String, u64)]) -> Place {
     let kind = |k: &str| rows.iter().any(|(kind, _)| kind == k);
+    // As place.lua reads it: the early join's number (the draw's, the same)
+    // before a late one's (a drawn user who joined again during a rebuild).
     let seq = rows
         .iter()
-        .find(|(kind, _)| matches!(kind.as_str(), "early" | "late" | "drawn"))
+        .find(|(kind, _)| matches!(kind.as_str(), "early" | "drawn"))
+        .or_else(|| rows.iter().find(|(kind, _)| kind == "late"))
         .map(|(_, seq)| *seq);
     let Some(seq) = seq else {
         return Place::None;

@@ -203,9 +203,11 @@ impl Probe {
     /// them now (`"none"` when it does not know them). Each must have been told
     /// an outcome: an order (whatever became of it), or `expired`, or
     /// `sold_out`; and while the sale is open, no one may be told `sold_out`
-    /// or left waiting while units are for sale in Redis (once it has ended,
-    /// no unit is for sale: a lapse that returns one after the end reopens
-    /// nothing). `Err` names who and how many.
+    /// or left waiting while units are for sale in Redis. Once it has ended,
+    /// Redis's units say nothing of the room any more (a lapse after the end
+    /// returns a unit no one can buy), so the second half is judged only on
+    /// an open sale: a room that shut early and then ended is not caught
+    /// here. `Err` names who and how many.
     pub async fn room_outcomes(&self, places: &[(String, String)]) -> Result<(), String> {
         let pool = self.pool().await?;
         let ordered: Result<Vec<(String,)>, String> =
