@@ -503,6 +503,7 @@ async fn the_day(
             kafka: dep.kafka.clone(),
             sent: shop.sent.clone(),
             side: side.clone(),
+            apis: dep.apis_of_users(),
         },
         t0,
         Duration::from_secs_f64(opts.every_s),

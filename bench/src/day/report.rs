@@ -233,6 +233,30 @@ fn per_request(points: &[Point]) -> Vec<(f64, Option<f64>, f64)> {
         .collect()
 }
 
+/// The reconciler's passes over the day, both instances: (passes, mean ms a
+/// pass, mean sales a pass went through, ms a pass per sale), from each
+/// look's figures (the sales passed are the last pass's, sampled).
+fn pass_cost(points: &[Point]) -> Option<(f64, f64, f64, f64)> {
+    let (mut passes, mut seconds, mut sales, mut looks) = (0.0, 0.0, 0.0, 0.0);
+    for w in points.windows(2) {
+        for (a, b) in w[0].reconcile.iter().zip(&w[1].reconcile) {
+            let n = b.1 - a.1;
+            if n <= 0.0 {
+                continue;
+            }
+            passes += n;
+            seconds += b.0 - a.0;
+            sales += b.2;
+            looks += 1.0;
+        }
+    }
+    if passes == 0.0 || looks == 0.0 {
+        return None;
+    }
+    let (ms, per) = (seconds * 1000.0 / passes, sales / looks);
+    Some((passes, ms, per, if per > 0.0 { ms / per } else { ms }))
+}
+
 /// The report, in markdown.
 pub fn render(day: &DayRun) -> String {
     let o = &day.options;
@@ -439,6 +463,16 @@ pub fn render(day: &DayRun) -> String {
             } else {
                 0.0
             }
+        );
+    }
+    if let Some(cost) = pass_cost(pts) {
+        let _ = writeln!(
+            md,
+            "The reconciler's passes (both instances, every 30 s and the wake-ups between): \
+             {:.0} passes, {:.2} ms a pass on average, through {:.1} sales a pass on average \
+             (the live ones; the ended and the upcoming get one Redis look, no pass): \
+             {:.2} ms a pass per sale passed.\n",
+            cost.0, cost.1, cost.2, cost.3
         );
     }
     if let Some(polls) = &day.polls {

@@ -40,6 +40,9 @@ pub struct Point {
     /// Requests the buyers sent (cumulative).
     pub requests: u64,
     pub consumer_lag: Option<i64>,
+    /// Each API instance's reconciler: (seconds its passes took, passes,
+    /// sales its last pass went through), cumulative but the last.
+    pub reconcile: Vec<(f64, f64, f64)>,
 }
 
 pub struct Watch {
@@ -58,6 +61,8 @@ pub struct Targets {
     pub kafka: KafkaSettings,
     pub sent: Arc<Sent>,
     pub side: Arc<SideQuery>,
+    /// The API instances' doors (their `/metrics`).
+    pub apis: Vec<testkit::api::Api>,
 }
 
 impl Watch {
@@ -130,7 +135,12 @@ pub async fn look(
     .await
     .ok()
     .and_then(Result::ok);
+    let mut reconcile = Vec::new();
+    for api in &targets.apis {
+        reconcile.push(reconcile_figures(api).await.unwrap_or((0.0, 0.0, 0.0)));
+    }
     Point {
+        reconcile,
         t_s,
         unix_ms,
         redis_bytes: redis.0,
@@ -147,6 +157,26 @@ pub async fn look(
         requests: targets.sent.total(),
         consumer_lag,
     }
+}
+
+/// The reconciler's figures on one instance's `/metrics`: its passes' total
+/// seconds and count, and the sales its last pass went through.
+async fn reconcile_figures(api: &testkit::api::Api) -> Option<(f64, f64, f64)> {
+    let text = tokio::time::timeout(Duration::from_secs(2), async {
+        api.metrics().send().await.ok()?.text().await.ok()
+    })
+    .await
+    .ok()??;
+    let value = |name: &str| -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    Some((
+        value("flashsale_reconcile_pass_seconds_sum")?,
+        value("flashsale_reconcile_pass_seconds_count")?,
+        value("flashsale_reconcile_pass_activities")?,
+    ))
 }
 
 /// MariaDB's `Questions`: statements from every client (this one included).
