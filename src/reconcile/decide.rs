@@ -31,14 +31,23 @@ pub(super) fn first_look(lost: bool, full: bool, open: bool) -> Look {
 /// After one look at Redis: an open sale that lost its state, holds an older
 /// build than MySQL's last (`behind`), or is still paused automatically,
 /// always; any other open one on a full pass; an ended one only while a
-/// reservation of it is pending (nothing else of an ended sale needs the
-/// reconciler: a lost one is not rebuilt, a late message or a lapse is the
-/// consumer's and the sweeper's).
-pub(super) fn after_look(open: bool, full: bool, loaded: bool, behind: bool, pending: u64) -> bool {
+/// reservation of it is pending or units lent between its shards are not
+/// received yet (`in_transit`: a transfer its request left half done when the
+/// sale ended; nothing else of an ended sale needs the reconciler: a lost one
+/// is not rebuilt, a late message or a lapse is the consumer's and the
+/// sweeper's).
+pub(super) fn after_look(
+    open: bool,
+    full: bool,
+    loaded: bool,
+    behind: bool,
+    pending: u64,
+    in_transit: bool,
+) -> bool {
     match (open, loaded) {
         (true, false) => true,
         (true, true) => full || behind,
-        (false, _) => pending > 0,
+        (false, _) => pending > 0 || in_transit,
     }
 }
 
@@ -172,18 +181,24 @@ mod tests {
     }
 
     #[test]
+    fn an_ended_sale_with_units_between_shards_gets_a_pass() {
+        assert!(after_look(false, false, true, false, 0, true));
+        assert!(!after_look(false, true, true, false, 0, false));
+    }
+
+    #[test]
     fn after_one_look_only_live_work_gets_a_pass() {
         // Open: lost, stale or paused automatically always; whole on a full
         // pass only.
-        assert!(after_look(true, false, false, false, 0));
-        assert!(after_look(true, true, false, false, 0));
-        assert!(after_look(true, true, true, false, 0));
-        assert!(after_look(true, false, true, true, 0));
-        assert!(!after_look(true, false, true, false, 3));
+        assert!(after_look(true, false, false, false, 0, false));
+        assert!(after_look(true, true, false, false, 0, false));
+        assert!(after_look(true, true, true, false, 0, false));
+        assert!(after_look(true, false, true, true, 0, false));
+        assert!(!after_look(true, false, true, false, 3, false));
         // Ended: only with something pending, loaded or not.
-        assert!(!after_look(false, true, true, true, 0));
-        assert!(!after_look(false, true, false, false, 0));
-        assert!(after_look(false, true, true, false, 1));
+        assert!(!after_look(false, true, true, true, 0, false));
+        assert!(!after_look(false, true, false, false, 0, false));
+        assert!(after_look(false, true, true, false, 1, false));
     }
 
     #[test]

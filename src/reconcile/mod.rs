@@ -420,12 +420,27 @@ impl Reconciler {
                     || snapshot
                         .epoch
                         .is_some_and(|epoch| epoch < activity.redis_built_epoch);
+                // An ended split sale: are units still between its shards?
+                let in_transit = !open
+                    && snapshot.pending == 0
+                    && snapshot.loaded()
+                    && activity.stock_shards > 1
+                    && !self
+                        .stock
+                        .open_loans(
+                            &activity.id,
+                            activity.stock_shards,
+                            Utc::now().timestamp_millis() - TRANSFER_GRACE_MS,
+                        )
+                        .await?
+                        .is_empty();
                 Ok(decide::after_look(
                     open,
                     full,
                     snapshot.loaded(),
                     behind,
                     snapshot.pending,
+                    in_transit,
                 ))
             }
         }
