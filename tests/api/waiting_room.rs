@@ -37,6 +37,32 @@ async fn place(app: &TestApp, sku: &str, user: &str) -> Value {
     resp.json().await.expect("JSON")
 }
 
+/// Waits until every one of `users` is told `state` (within `within`).
+async fn all_told(app: &TestApp, sku: &str, users: &[&str], state: &str, within: Duration) {
+    eventually(within, &format!("every user told {state}"), || async {
+        for u in users {
+            if place(app, sku, u).await["state"] != state {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+}
+
+/// Redis loses the room (its keys deleted through the service's own
+/// connection: one node or a Cluster alike).
+async fn lose_room(app: &TestApp, activity_id: &str, shards: u8) {
+    let mut conn = app.state.stock.connection();
+    for k in flashsale::stock::RoomKeys::new(activity_id, shards).all() {
+        let _: () = redis::cmd("DEL")
+            .arg(k)
+            .query_async(&mut conn)
+            .await
+            .expect("DEL");
+    }
+}
+
 /// The room's figures, as the operators see them.
 async fn room(app: &TestApp, id: &str) -> Value {
     app.activity_figures(id).await["live"]["waiting_room"].clone()
@@ -625,15 +651,7 @@ async fn a_queue_lost_with_redis_comes_back_in_the_drawn_order() {
         m
     };
     // Redis loses the room (the turns too).
-    let keys = flashsale::stock::RoomKeys::new(&sale.id, 3);
-    let mut conn = app.state.stock.connection();
-    for k in keys.all() {
-        let _: () = redis::cmd("DEL")
-            .arg(k)
-            .query_async(&mut conn)
-            .await
-            .expect("DEL");
-    }
+    lose_room(&app, &sale.id, 3).await;
     // The same seed and order come back from MySQL; those who held a turn are
     // first in line again, and get it back.
     let after = eventually(Duration::from_secs(10), "the room rebuilt", || async {
@@ -715,19 +733,7 @@ async fn a_room_told_sold_out_reopens_when_units_come_back() {
     let paid = app.pay(&order.to_string(), &first).await;
     assert_eq!(paid.status(), StatusCode::OK);
     let others: Vec<&str> = users.iter().copied().filter(|u| *u != first).collect();
-    eventually(
-        Duration::from_secs(10),
-        "the others told sold_out",
-        || async {
-            for u in &others {
-                if place(&app, &sku, u).await["state"] != "sold_out" {
-                    return None;
-                }
-            }
-            Some(())
-        },
-    )
-    .await;
+    all_told(&app, &sku, &others, "sold_out", Duration::from_secs(10)).await;
     // Told to come back slowly, not told it is over.
     let told = app.queue_place(&sku, others[0]).await;
     assert_eq!(
@@ -739,15 +745,7 @@ async fn a_room_told_sold_out_reopens_when_units_come_back() {
     // Two units more: both others get a turn, and buy.
     let topped = app.top_up(&id, json!({"add": 2})).await;
     assert_eq!(topped.status(), StatusCode::OK);
-    eventually(Duration::from_secs(10), "the room reopened", || async {
-        for u in &others {
-            if place(&app, &sku, u).await["state"] != "admitted" {
-                return None;
-            }
-        }
-        Some(())
-    })
-    .await;
+    all_told(&app, &sku, &others, "admitted", Duration::from_secs(10)).await;
     for u in &others {
         assert_eq!(
             app.reserve(&sku, u, None).await.status(),
@@ -832,19 +830,7 @@ async fn polls_of_a_line_that_has_not_moved_cost_redis_nothing() {
         app.pay(&order.to_string(), &first).await.status(),
         StatusCode::OK
     );
-    eventually(
-        Duration::from_secs(10),
-        "the others told sold_out",
-        || async {
-            for u in &others {
-                if place(&app, &sku, u).await["state"] != "sold_out" {
-                    return None;
-                }
-            }
-            Some(())
-        },
-    )
-    .await;
+    all_told(&app, &sku, &others, "sold_out", Duration::from_secs(10)).await;
     let watch = app.watch_redis(&sale).await;
     for i in 0..polls {
         let u = others[i % others.len()];
@@ -862,15 +848,7 @@ async fn polls_of_a_line_that_has_not_moved_cost_redis_nothing() {
     // for longer than the step that sees it.
     let topped = app.top_up(&id, json!({"add": 3})).await;
     assert_eq!(topped.status(), StatusCode::OK);
-    eventually(Duration::from_secs(2), "the others admitted", || async {
-        for u in &others {
-            if place(&app, &sku, u).await["state"] != "admitted" {
-                return None;
-            }
-        }
-        Some(())
-    })
-    .await;
+    all_told(&app, &sku, &others, "admitted", Duration::from_secs(2)).await;
     app.stop().await;
 }
 
@@ -1231,15 +1209,7 @@ async fn an_ended_room_gone_from_redis_is_answered_from_the_journal() {
             Some(told)
         })
         .await;
-    // The room goes from Redis (on one node or a Cluster alike).
-    let mut conn = app.state.stock.connection();
-    for k in flashsale::stock::RoomKeys::new(&sale.id, sale.shards).all() {
-        let _: () = redis::cmd("DEL")
-            .arg(k)
-            .query_async(&mut conn)
-            .await
-            .expect("DEL");
-    }
+    lose_room(&app, &sale.id, sale.shards).await;
     for u in users {
         let resp = app.queue_place(&sale.sku, u).await;
         assert_eq!(resp.status(), StatusCode::OK, "{u}");
