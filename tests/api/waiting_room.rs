@@ -998,15 +998,7 @@ async fn a_room_rebuilt_keeps_its_buyers_expired_turns_and_late_joiners() {
     })
     .await;
     let seed = room(&app, &id).await["seed"].clone();
-    let keys = flashsale::stock::RoomKeys::new(&id, 1);
-    let mut conn = app.state.stock.connection();
-    for k in keys.all() {
-        let _: () = redis::cmd("DEL")
-            .arg(k)
-            .query_async(&mut conn)
-            .await
-            .expect("DEL");
-    }
+    lose_room(&app, &id, 1).await;
     eventually(Duration::from_secs(10), "the room rebuilt", || async {
         (room(&app, &id).await["seed"] == seed).then_some(())
     })
