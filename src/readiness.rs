@@ -95,6 +95,9 @@ pub struct Readiness {
     /// Held while a stale answer is checked again from `/readyz`.
     refreshing: Arc<[tokio::sync::Mutex<()>; 3]>,
     checks: Arc<std::sync::OnceLock<Checks>>,
+    /// What the start found wrong but not fatal (an evicting Redis), shown by
+    /// `/readyz` beside the checks.
+    warnings: Arc<Mutex<Vec<String>>>,
 }
 
 /// What the prober checks each dependency with.
@@ -125,6 +128,21 @@ impl Checks {
 }
 
 impl Readiness {
+    /// Shows `warning` on every `/readyz` from now on.
+    pub fn warn(&self, warning: String) {
+        self.warnings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(warning);
+    }
+
+    pub fn warnings(&self) -> Vec<String> {
+        self.warnings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// Keeps `outcome` as `dependency`'s answer at `at`. Returns the previous
     /// outcome when this one differs from it (for the log), `None` otherwise.
     pub fn record(

@@ -24,7 +24,9 @@ use tracing::Instrument;
 use crate::activity::Activity;
 use crate::kafka::{Publisher, ReservationMessage};
 use crate::orders::{Decision, Incoming, OrderWriter};
-use crate::stock::{new_reservation_id, FateChange, RefundMode, ReserveOutcome, StockStore};
+use crate::stock::{
+    new_reservation_id, FateChange, RefundMode, Replication, ReserveOutcome, StockStore,
+};
 
 /// How one reservation ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,7 +146,7 @@ impl Reservations {
         };
         // Replicas first hold the reservation itself: until it is published,
         // withdrawing it is a Redis matter alone, and the client holds nothing.
-        if let Err(outcome) = self.replicated(&incoming).await {
+        if let Err(outcome) = self.replicated(&incoming, false).await {
             self.undo(&incoming).await;
             return Err(outcome);
         }
@@ -254,7 +256,7 @@ impl Reservations {
             .await
         {
             Ok(FateChange::Done) => {
-                self.replicated(&incoming).await?;
+                self.replicated(&incoming, true).await?;
                 Ok(incoming.reservation_id)
             }
             Ok(change) => {
@@ -278,14 +280,24 @@ impl Reservations {
     /// point, which takes a replica failing within a millisecond, the client gets
     /// `503`; the reservation stays acknowledged on the primary and its message
     /// makes it an order, which the user's reservation status shows.
-    async fn replicated(&self, incoming: &Incoming) -> Step<()> {
+    ///
+    /// With `auto` and no replica online at the sale's primary, nothing waits; a
+    /// `202` answered so (`answering`) is counted, being one a failover could lose.
+    async fn replicated(&self, incoming: &Incoming, answering: bool) -> Step<()> {
         let reservation_id = &incoming.reservation_id;
         match self
             .stock
             .replicated(&incoming.activity_id, &incoming.user_id, reservation_id)
             .await
         {
-            Ok(true) => Ok(()),
+            Ok(Replication::Held) => Ok(()),
+            Ok(Replication::NoReplica) => {
+                if answering {
+                    metrics::counter!("flashsale_redis_unreplicated_reservations_total")
+                        .increment(1);
+                }
+                Ok(())
+            }
             other => {
                 tracing::warn!(?other, %reservation_id, "replicas did not acknowledge the reservation in time");
                 metrics::counter!("flashsale_redis_replica_ack_failures_total").increment(1);
@@ -318,7 +330,7 @@ impl Reservations {
                 if decided.is_empty() {
                     // Acknowledged already (its acknowledgement's answer was lost): a
                     // promise, kept once the replicas hold it.
-                    self.replicated(&incoming).await?;
+                    self.replicated(&incoming, true).await?;
                     return Ok(incoming.reservation_id);
                 }
             }

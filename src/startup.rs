@@ -21,7 +21,7 @@ use tokio_util::task::TaskTracker;
 use crate::activity::{ActivityCache, ActivityRepo};
 use crate::audit::AuditRepo;
 use crate::auth::Auth;
-use crate::config::{MysqlSettings, RedisSettings, ServerSettings, Settings};
+use crate::config::{MysqlSettings, RedisSettings, ReplicasAcked, ServerSettings, Settings};
 use crate::http::{self, RateLimiters};
 use crate::kafka::{self, Publisher};
 use crate::operators::Operators;
@@ -31,7 +31,7 @@ use crate::readiness::{self, Readiness};
 use crate::reconcile::{Reconciler, Report};
 use crate::reservation::Reservations;
 use crate::state::{AppState, Inner};
-use crate::stock::{Family, RedisConn, StockStore};
+use crate::stock::{Family, RedisConn, StockStore, Topology};
 use crate::stocking::Stocking;
 use crate::telemetry::{self, LiveFigures};
 use crate::waiting_room::WaitingRoom;
@@ -187,6 +187,10 @@ impl Application {
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
         let metrics = telemetry::metrics_handle()?;
         let services = Services::connect_serving(&settings).await?;
+        let readiness = Readiness::default();
+        for warning in redis_durability(&settings.redis, &services.stock).await {
+            readiness.warn(warning);
+        }
         let publisher = Publisher::new(&settings.kafka)?;
         create_topics(&settings).await?;
         let cache = services.loaded_cache().await?;
@@ -249,7 +253,7 @@ impl Application {
             metrics,
             critical: TaskTracker::new(),
             draining: CancellationToken::new(),
-            readiness: Readiness::default(),
+            readiness,
             live_figures: LiveFigures::new(),
         });
         Ok(Application {
@@ -500,6 +504,36 @@ async fn serve_consumer_ops(
     }))
 }
 
+/// What can lose a sale's Redis state without the service noticing at once,
+/// logged at start: `redis.min_replicas_acked = 0` where a failover can happen (a
+/// warning), and a `maxmemory-policy` that evicts keys (an error, also shown by
+/// `/readyz`, which this returns). A Redis that refuses `INFO` is logged, not fatal.
+async fn redis_durability(settings: &RedisSettings, stock: &StockStore) -> Vec<String> {
+    let failover = !matches!(Topology::parse(&settings.url), Ok(Topology::Single(_)));
+    if failover && settings.min_replicas_acked == ReplicasAcked::Exactly(0) {
+        tracing::warn!("redis.min_replicas_acked = 0 on a Sentinel or Cluster deployment: a failover to a replica that missed the last writes forgets reservations already answered 202; leave it at auto");
+    }
+    let policies = match stock.memory_policies().await {
+        Ok(p) => p,
+        Err(err) => {
+            tracing::warn!(error = %err, "could not read Redis's maxmemory-policy (INFO memory)");
+            return Vec::new();
+        }
+    };
+    let mut evicting: Vec<String> = policies.into_iter().filter(|p| p != "noeviction").collect();
+    evicting.sort();
+    evicting.dedup();
+    if evicting.is_empty() {
+        return Vec::new();
+    }
+    let warning = format!(
+        "Redis maxmemory-policy {} can evict a sale's keys: set noeviction (a sale whose keys are evicted is rebuilt from MySQL, unavailable meanwhile)",
+        evicting.join(", ")
+    );
+    tracing::error!("{warning}");
+    vec![warning]
+}
+
 /// Connections of their own for the replica barrier (see `StockStore::replicated`),
 /// when replicas are required: a few, so a lagging replica blocks only a few
 /// winners at a time and never the shared connection.
@@ -516,7 +550,7 @@ async fn replica_barrier(
             .max(settings.replica_ack_timeout_ms + 300),
         ..settings.clone()
     };
-    if settings.min_replicas_acked > 0 {
+    if settings.min_replicas_acked.waits() {
         for _ in 0..BARRIER_CONNECTIONS {
             conns.push(RedisConn::connect_in(&settings, family).await?);
         }

@@ -107,14 +107,61 @@ pub struct RedisSettings {
     pub url: String,
     pub connection_timeout_ms: u64,
     pub response_timeout_ms: u64,
-    /// Replicas that must hold a reservation before its `202` (`WAIT`); 0: none.
-    pub min_replicas_acked: u32,
+    /// Replicas that must hold a reservation before its `202` (`WAIT`).
+    pub min_replicas_acked: ReplicasAcked,
     /// How long a reservation waits for those replicas before it is withdrawn.
     pub replica_ack_timeout_ms: u64,
     /// How long after its `ends_at` a sale's Redis state is removed; everything
     /// about the sale is then answered from MySQL.
     #[serde(default = "default_retain_after_end_secs")]
     pub retain_after_end_secs: u64,
+}
+
+/// `redis.min_replicas_acked`: `auto` (the default) waits for one replica
+/// whenever the sale's primary has one online and answers without waiting (and
+/// counts it) while it has none; `N` waits for N replicas strictly (none: `503`);
+/// `0` never waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicasAcked {
+    Auto,
+    Exactly(u32),
+}
+
+impl ReplicasAcked {
+    /// Whether a reservation may ever wait for a replica.
+    pub fn waits(self) -> bool {
+        self != ReplicasAcked::Exactly(0)
+    }
+}
+
+impl std::fmt::Display for ReplicasAcked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReplicasAcked::Auto => f.write_str("auto"),
+            ReplicasAcked::Exactly(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ReplicasAcked {
+    /// `auto`, or a whole number: written in TOML or, from the environment, as text.
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u32),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(n) => Ok(ReplicasAcked::Exactly(n)),
+            Raw::Text(t) if t.trim().eq_ignore_ascii_case("auto") => Ok(ReplicasAcked::Auto),
+            Raw::Text(t) => t.trim().parse().map(ReplicasAcked::Exactly).map_err(|_| {
+                serde::de::Error::custom(format!(
+                    "redis.min_replicas_acked must be auto or a whole number, not {t:?}"
+                ))
+            }),
+        }
+    }
 }
 
 fn default_retain_after_end_secs() -> u64 {
@@ -576,6 +623,32 @@ mod tests {
         ));
         std::fs::create_dir_all(&dir).expect("folder created");
         dir
+    }
+
+    #[test]
+    fn min_replicas_acked_is_auto_unless_a_number_is_given() {
+        let s = Settings::load_from(&config_dir(), "development").expect("default config loads");
+        assert_eq!(s.redis.min_replicas_acked, ReplicasAcked::Auto);
+        for (text, expected) in [
+            ("0", Some(ReplicasAcked::Exactly(0))),
+            ("2", Some(ReplicasAcked::Exactly(2))),
+            ("AUTO", Some(ReplicasAcked::Auto)),
+            ("some", None),
+            ("-1", None),
+        ] {
+            let vars = config::Map::from([(
+                "FLASHSALE__REDIS__MIN_REPLICAS_ACKED".to_owned(),
+                text.to_owned(),
+            )]);
+            let loaded = Settings::load_with_vars(&config_dir(), "development", Some(vars));
+            match expected {
+                Some(v) => assert_eq!(loaded.expect("config loads").redis.min_replicas_acked, v),
+                None => {
+                    let err = loaded.expect_err("refused");
+                    assert!(format!("{err:#}").contains("min_replicas_acked"), "{err:#}");
+                }
+            }
+        }
     }
 
     #[test]

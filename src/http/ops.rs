@@ -62,7 +62,9 @@ pub enum Role {
 /// second, or none yet, counts as not ready (`unknown`). `?role=api` asks for what
 /// taking reservations needs: Redis and the broker; MySQL is reported, not
 /// required (reservations are decided in Redis and wait in the topic while MySQL
-/// is down). While the process drains (SIGTERM) every role is `503`.
+/// is down). While the process drains (SIGTERM) every role is `503`. What the
+/// start found wrong but not fatal (a Redis whose `maxmemory-policy` can evict
+/// a sale's keys) is listed under `warnings`.
 pub async fn readyz(
     State(state): State<AppState>,
     query: Result<Query<ReadyQuery>, QueryRejection>,
@@ -75,7 +77,7 @@ pub async fn readyz(
         Some(Role::Api) => &[Dependency::Mysql],
     };
     if state.draining.is_cancelled() {
-        return not_ready("draining: the process is stopping".into(), json!({}));
+        return not_ready("draining: the process is stopping".into(), json!({}), &[]);
     }
     let mut missing = Vec::new();
     let mut checks = serde_json::Map::new();
@@ -93,30 +95,32 @@ pub async fn readyz(
             missing.push(format!("{} {}", dependency.name(), status.label()));
         }
     }
+    let warnings = state.readiness.warnings();
     if missing.is_empty() {
-        (
-            StatusCode::OK,
-            Json(json!({ "status": "ready", "checks": checks })),
-        )
-            .into_response()
+        let mut body = json!({ "status": "ready", "checks": checks });
+        if !warnings.is_empty() {
+            body["warnings"] = json!(warnings);
+        }
+        (StatusCode::OK, Json(body)).into_response()
     } else {
         not_ready(
             format!("not ready: {}", missing.join(", ")),
             serde_json::Value::Object(checks),
+            &warnings,
         )
     }
 }
 
-fn not_ready(message: String, checks: serde_json::Value) -> Response {
-    let mut response = (
-        StatusCode::SERVICE_UNAVAILABLE,
-        Json(json!({
-            "code": "unavailable",
-            "message": message,
-            "checks": checks,
-        })),
-    )
-        .into_response();
+fn not_ready(message: String, checks: serde_json::Value, warnings: &[String]) -> Response {
+    let mut body = json!({
+        "code": "unavailable",
+        "message": message,
+        "checks": checks,
+    });
+    if !warnings.is_empty() {
+        body["warnings"] = json!(warnings);
+    }
+    let mut response = (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, header::HeaderValue::from(1));

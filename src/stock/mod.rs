@@ -40,7 +40,8 @@ mod store;
 mod views;
 
 pub use audit::{Audit, ShardAudit};
-pub use conn::{Family, RedisConn};
+pub use barrier::Replication;
+pub use conn::{Family, RedisConn, Topology};
 pub use dry::DRY_SIBLING_TTL;
 pub use gate::SOLD_OUT_RECHECK;
 pub use keys::{

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use redis::RedisResult;
 
-use super::barrier::ReplicaBarrier;
+use crate::config::ReplicasAcked;
+
+use super::barrier::{ReplicaBarrier, Replication};
 use super::conn::RedisConn;
 use super::dry::DrySiblings;
 use super::gate::SoldOutGate;
@@ -80,32 +82,45 @@ impl StockStore {
         invoke(&self.conn, lua, keys, args).await
     }
 
-    /// Makes `replicated` wait for `replicas` replicas, at most `timeout`, over
-    /// `conns` (connections used for nothing else).
+    /// Makes `replicated` wait for the replicas `acked` asks for, at most
+    /// `timeout`, over `conns` (connections used for nothing else).
     pub fn with_replica_barrier(
         mut self,
         conns: Vec<RedisConn>,
-        replicas: u32,
+        acked: ReplicasAcked,
         timeout: std::time::Duration,
     ) -> Self {
-        if let Some(b) = ReplicaBarrier::new(conns, replicas, timeout) {
+        if let Some(b) = ReplicaBarrier::new(conns, acked, timeout) {
             self.barrier = Some(b);
         }
         self
     }
 
     /// Whether the configured replicas hold the reservation (see
-    /// `ReplicaBarrier::replicated`): `true` at once when none are required.
+    /// `ReplicaBarrier::replicated`): `Held` at once when none are required.
     pub async fn replicated(
         &self,
         activity_id: &str,
         user_id: &str,
         reservation_id: &str,
-    ) -> RedisResult<bool> {
+    ) -> RedisResult<Replication> {
         match &self.barrier {
             Some(b) => b.replicated(activity_id, user_id, reservation_id).await,
-            None => Ok(true),
+            None => Ok(Replication::Held),
         }
+    }
+
+    /// Each node's `maxmemory-policy` (on a Cluster, every primary's), from
+    /// `INFO memory`, which managed Redis services answer where `CONFIG` is refused.
+    pub async fn memory_policies(&self) -> RedisResult<Vec<String>> {
+        let mut conn = self.conn.clone();
+        let info: redis::Value = redis::cmd("INFO")
+            .arg("memory")
+            .query_async(&mut conn)
+            .await?;
+        let mut policies = Vec::new();
+        collect_policies(&info, &mut policies);
+        Ok(policies)
     }
 
     pub async fn ping(&self) -> RedisResult<()> {
@@ -113,4 +128,29 @@ impl StockStore {
         let _: String = redis::cmd("PING").query_async(&mut conn).await?;
         Ok(())
     }
+}
+
+/// The `maxmemory_policy:` lines in an `INFO` answer: one text from one node, or,
+/// from a Cluster, a map of each primary's.
+fn collect_policies(v: &redis::Value, out: &mut Vec<String>) {
+    use redis::Value;
+    match v {
+        Value::BulkString(b) => collect_policies_in(&String::from_utf8_lossy(b), out),
+        Value::VerbatimString { text, .. } | Value::SimpleString(text) => {
+            collect_policies_in(text, out)
+        }
+        Value::Array(items) | Value::Set(items) => {
+            items.iter().for_each(|i| collect_policies(i, out))
+        }
+        Value::Map(pairs) => pairs.iter().for_each(|(_, v)| collect_policies(v, out)),
+        _ => {}
+    }
+}
+
+fn collect_policies_in(text: &str, out: &mut Vec<String>) {
+    out.extend(
+        text.lines()
+            .filter_map(|l| l.strip_prefix("maxmemory_policy:"))
+            .map(|p| p.trim().to_owned()),
+    );
 }

@@ -14,6 +14,7 @@
 
 use redis::RedisResult;
 
+use super::barrier::Replication;
 use super::keys::{home_shard, Keys};
 use super::script::arg;
 use super::store::StockStore;
@@ -113,7 +114,10 @@ impl StockStore {
         if phase != "begin" || version < 0 {
             return Ok(true);
         }
-        self.replicated(activity_id, user_id, reservation_id).await
+        Ok(self
+            .replicated(activity_id, user_id, reservation_id)
+            .await?
+            != Replication::Missing)
     }
 }
 

@@ -109,7 +109,7 @@ impl Probe {
             url: self.redis_url.clone(),
             connection_timeout_ms: 2000,
             response_timeout_ms: 2000,
-            min_replicas_acked: 0,
+            min_replicas_acked: flashsale::config::ReplicasAcked::Exactly(0),
             retain_after_end_secs: 86_400,
             replica_ack_timeout_ms: 0,
         };

@@ -147,6 +147,12 @@ impl TestAppBuilder {
         self
     }
 
+    /// A Redis of the test's own (`redis://host:port`).
+    pub fn redis_url(mut self, url: String) -> Self {
+        self.settings.redis.url = url;
+        self
+    }
+
     /// How long a Redis request may take before it fails.
     pub fn redis_response_timeout_ms(mut self, ms: u64) -> Self {
         self.settings.redis.response_timeout_ms = ms;

@@ -527,3 +527,159 @@ async fn the_development_secrets_are_refused_on_a_public_address() {
         "{log}"
     );
 }
+
+/// `redis.min_replicas_acked = auto`, the default: a `202` waits for the
+/// replica while the sale's primary has one online (a replica that stopped
+/// answering makes it `503`, nothing held), and, once the primary has none, does
+/// not wait and is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_waits_for_the_replica_the_primary_has() {
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let primary = tokio::task::block_in_place(|| testkit::process::Redis::start(dir.path()));
+    let mut replica = tokio::task::block_in_place(|| {
+        testkit::process::Redis::start_replica(dir.path(), primary.port)
+    });
+    let client = redis::Client::open(primary.url()).expect("redis url");
+    let mut redis = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("own redis");
+    let online = |redis: redis::aio::MultiplexedConnection| async move {
+        let mut redis = redis;
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut redis)
+            .await
+            .ok()?;
+        Some(info.contains("state=online"))
+    };
+    eventually(Duration::from_secs(20), "the replica to sync", || {
+        let r = redis.clone();
+        async move { online(r).await.filter(|o| *o).map(|_| ()) }
+    })
+    .await;
+    let app = TestApp::builder().redis_url(primary.url()).spawn().await;
+    assert_eq!(
+        app.settings.redis.min_replicas_acked,
+        flashsale::config::ReplicasAcked::Auto
+    );
+    let sale = app.open_sale(10, 1).await;
+    // A replica just synchronised acknowledges its first writes about a second
+    // later: until then a reservation is refused (`503`, nothing held).
+    eventually(Duration::from_secs(20), "a first reservation", || async {
+        (app.reserve(&sale.sku, "warm", None).await.status() == StatusCode::ACCEPTED).then_some(())
+    })
+    .await;
+    // Online and answering: the reservation waits for it (the barrier's key is
+    // bumped by each wait, before the publish and before the answer).
+    let barrier = flashsale::stock::Keys::new(&sale.id).barrier;
+    let bumps = |redis: redis::aio::MultiplexedConnection, key: String| async move {
+        let mut redis = redis;
+        let n: i64 = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut redis)
+            .await
+            .expect("barrier read");
+        n
+    };
+    let before_ann = bumps(redis.clone(), barrier.clone()).await;
+    assert_eq!(
+        app.reserve(&sale.sku, "ann", None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    assert_eq!(
+        bumps(redis.clone(), barrier.clone()).await,
+        before_ann + 2,
+        "two waits for the replica"
+    );
+    // Online but not answering: refused, and nothing is held.
+    replica.pause();
+    let refused = app.reserve(&sale.sku, "bob", None).await;
+    assert_error(refused, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    replica.resume();
+    // No replica: answered at once, not waited for, and counted.
+    let before = counter(
+        &app.metrics_text().await,
+        "flashsale_redis_unreplicated_reservations_total",
+    );
+    replica.kill();
+    eventually(
+        Duration::from_secs(20),
+        "the primary to see its replica gone",
+        || {
+            let r = redis.clone();
+            async move { online(r).await.filter(|o| !*o).map(|_| ()) }
+        },
+    )
+    .await;
+    // The first reservation after the loss waits once (the replica was online
+    // at the last look), finds it gone, and is answered; the next do not wait.
+    let before_loss = bumps(redis.clone(), barrier.clone()).await;
+    assert_eq!(
+        app.reserve(&sale.sku, "bob", None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    let after_loss = bumps(redis.clone(), barrier.clone()).await;
+    assert!(
+        after_loss <= before_loss + 1,
+        "{before_loss} then {after_loss}"
+    );
+    for user in ["cy", "dee"] {
+        assert_eq!(
+            app.reserve(&sale.sku, user, None).await.status(),
+            StatusCode::ACCEPTED,
+            "{user}"
+        );
+    }
+    assert_eq!(
+        bumps(redis.clone(), barrier.clone()).await,
+        after_loss,
+        "nothing waited"
+    );
+    let after = counter(
+        &app.metrics_text().await,
+        "flashsale_redis_unreplicated_reservations_total",
+    );
+    assert!(after >= before + 3.0, "counted: {before} then {after}");
+    let state = app.sale_state(&sale.sku).await;
+    assert_eq!(state["stock_left"], 5, "{state}");
+    app.stop().await;
+}
+
+/// A Redis whose `maxmemory-policy` can evict a sale's keys is reported by
+/// `/readyz` (and logged as an error at start).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_redis_is_reported_by_readiness() {
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let own = tokio::task::block_in_place(|| testkit::process::Redis::start(dir.path()));
+    let client = redis::Client::open(own.url()).expect("redis url");
+    let mut redis = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("own redis");
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query_async(&mut redis)
+        .await
+        .expect("policy set");
+    let app = TestApp::builder().redis_url(own.url()).spawn().await;
+    let body = app.wait_ready().await;
+    let warnings = body["warnings"].to_string();
+    assert!(warnings.contains("allkeys-lru"), "{body}");
+    // The shared Redis evicts nothing: no warning.
+    let plain = spawn_app().await;
+    let body = plain.wait_ready().await;
+    assert!(body.get("warnings").is_none(), "{body}");
+    plain.stop().await;
+    app.stop().await;
+}
+
+/// A counter's value in a scrape, 0 when it has none yet.
+fn counter(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter_map(|l| l.strip_prefix(name))
+        .filter_map(|rest| rest.trim().parse::<f64>().ok())
+        .sum()
+}

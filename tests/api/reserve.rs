@@ -325,7 +325,9 @@ async fn what_a_winning_reservation_costs_redis() {
     let units = 100;
     let sale = app.open_sale(units, 1).await;
     let watch = app.watch_redis(&sale).await;
-    for (user, status, body) in app.crowd(&sale.sku, units as usize, 1, 16).await {
+    let started = std::time::Instant::now();
+    const CONCURRENCY: usize = 16;
+    for (user, status, body) in app.crowd(&sale.sku, units as usize, 1, CONCURRENCY).await {
         assert_eq!(status, StatusCode::ACCEPTED, "{user}: {body}");
     }
     eventually(WAIT, "every order confirmed in Redis", || async {
@@ -335,7 +337,25 @@ async fn what_a_winning_reservation_costs_redis() {
     })
     .await;
     let lines = app.watched(&sale, watch).await;
+    let seconds = started.elapsed().as_secs() as usize + 1;
     let (runs, other) = script_runs(&lines);
+    // `redis.min_replicas_acked = auto`, the default, on a Redis without
+    // replicas: the barrier looks at the shard's replicas online (`HGET` of the
+    // buyer, and a script whose `INFO` names no key) about once a second (those
+    // arriving together before the first look answers each look), and waits
+    // for none.
+    let looks = lines
+        .iter()
+        .filter(|l| l.contains("\"EVAL\"") && l.contains(":barrier\""))
+        .count();
+    let (probes, other): (Vec<String>, Vec<String>) = other
+        .into_iter()
+        .partition(|l| l.contains("\"HGET\"") && l.contains(":buyers\""));
+    assert!(
+        (1..=seconds + CONCURRENCY).contains(&looks) && probes.len() == looks,
+        "{looks} looks at the replicas, {} probes, in {seconds} s",
+        probes.len()
+    );
     let mut by_command: std::collections::BTreeMap<(&str, &str), usize> = Default::default();
     for r in &runs {
         for c in &r.commands {

@@ -1,7 +1,7 @@
 //! On a Redis Cluster of its own (3 primaries, 2 replicas each), the primary
 //! that owns the sale's slot is SIGKILLed mid-sale; the cluster promotes one of
-//! its replicas, the other follows it, and the sale goes on. With
-//! `redis.min_replicas_acked = 1` every `202` was on a replica first.
+//! its replicas, the other follows it, and the sale goes on. With the default
+//! `redis.min_replicas_acked = auto` every `202` was on a replica first.
 //!
 //! Its second form sells a sale split over 3 stock shards (one per primary) and
 //! kills the primary of shard 1 mid-sale: the other shards keep selling and
@@ -36,7 +36,6 @@ impl Fault for ClusterFailover {
     fn prepare(&self, setup: &mut Setup) {
         setup.redis_cluster = true;
         setup.stock_shards = self.shards;
-        setup.set("FLASHSALE__REDIS__MIN_REPLICAS_ACKED", 1);
         // Above a fresh replica's first acknowledgement interval (1 s).
         setup.set("FLASHSALE__REDIS__REPLICA_ACK_TIMEOUT_MS", 1000);
     }

@@ -1,10 +1,12 @@
 //! The Redis primary fails over to a replica that missed writes: the replica is
 //! stalled (SIGSTOP) so it falls behind, the primary is SIGKILLed, the replica is
 //! resumed and promoted, and the address the services use (a relay, as a virtual
-//! IP would be) moves to it; a new replica joins it. With
-//! `redis.min_replicas_acked = 1`, no `202` was answered without the replica
-//! holding it; reservations the replica missed were never acknowledged, and any
-//! order one became anyway is adopted back into Redis by the consumer.
+//! IP would be) moves to it; a new replica joins it. With the default
+//! configuration (`redis.min_replicas_acked = auto`, a 200 ms wait), no `202`
+//! was answered without the replica holding it while it was connected;
+//! reservations the replica missed were never acknowledged, and any order one
+//! became anyway is adopted back into Redis by the consumer. Until the new
+//! replica has synchronised, the promoted primary answers without waiting.
 
 use std::time::Duration;
 
@@ -25,8 +27,6 @@ impl Fault for RedisFailover {
     }
     fn prepare(&self, setup: &mut Setup) {
         setup.redis_replica = true;
-        setup.set("FLASHSALE__REDIS__MIN_REPLICAS_ACKED", 1);
-        setup.set("FLASHSALE__REDIS__REPLICA_ACK_TIMEOUT_MS", 200);
     }
     fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {

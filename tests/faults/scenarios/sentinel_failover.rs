@@ -1,8 +1,8 @@
 //! Redis under Sentinel (a primary, two replicas, three sentinels): the primary
 //! is SIGKILLed mid-sale; the sentinels promote a replica and the services find
 //! it through them. Its supervisor then restarts the dead node on its old
-//! address, empty, and the sentinels turn it into a replica. With
-//! `redis.min_replicas_acked = 1` every `202` was on a replica first.
+//! address, empty, and the sentinels turn it into a replica. With the default
+//! `redis.min_replicas_acked = auto` every `202` was on a replica first.
 
 use std::time::Duration;
 
@@ -21,7 +21,6 @@ impl Fault for SentinelFailover {
     }
     fn prepare(&self, setup: &mut Setup) {
         setup.redis_sentinel = true;
-        setup.set("FLASHSALE__REDIS__MIN_REPLICAS_ACKED", 1);
         setup.set("FLASHSALE__REDIS__REPLICA_ACK_TIMEOUT_MS", 1000);
     }
     fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
