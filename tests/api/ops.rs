@@ -540,7 +540,7 @@ async fn a_reservation_waits_for_the_replica_the_primary_has() {
         testkit::process::Redis::start_replica(dir.path(), primary.port)
     });
     let client = redis::Client::open(primary.url()).expect("redis url");
-    let mut redis = client
+    let redis = client
         .get_multiplexed_async_connection()
         .await
         .expect("own redis");
