@@ -534,10 +534,15 @@ mod tests {
 
     #[test]
     fn trusted_proxies_come_as_a_comma_separated_list() {
-        // Only this test sets this variable; other tests see it and ignore it.
-        std::env::set_var("FLASHSALE__SERVER__TRUSTED_PROXIES", "10.0.0.0/8,127.0.0.1");
-        let s = Settings::load_from(&config_dir(), "development").expect("config loads");
-        std::env::remove_var("FLASHSALE__SERVER__TRUSTED_PROXIES");
+        // Given as a map, not set in the process's environment: the other tests
+        // load the defaults at the same time, and trusted proxies refuse the
+        // development secrets.
+        let vars = config::Map::from([(
+            "FLASHSALE__SERVER__TRUSTED_PROXIES".to_owned(),
+            "10.0.0.0/8,127.0.0.1".to_owned(),
+        )]);
+        let s = Settings::load_with_vars(&config_dir(), "development", Some(vars))
+            .expect("config loads");
         assert_eq!(
             s.server.trusted_proxies,
             TrustedProxies::parse(&["10.0.0.0/8", "127.0.0.1"]).expect("parses")
