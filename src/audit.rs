@@ -42,8 +42,12 @@ pub struct Entry {
     pub action: String,
     /// The activity acted on, when the request named a valid id.
     pub activity_id: Option<String>,
-    /// The request's `x-request-id`, as in the logs.
+    /// The request's id, the service's own, as in the logs and the answer's
+    /// `x-request-id`.
     pub request_id: Option<String>,
+    /// The `X-Request-Id` the client sent, if any (1 to 128 visible ASCII
+    /// characters; anything else is not kept).
+    pub client_request_id: Option<String>,
     /// Method, path and body as sent (cut at 2,000 characters).
     pub request: String,
     /// The answer's HTTP status.
@@ -64,6 +68,7 @@ pub struct NewEntry<'a> {
     pub action: &'a str,
     pub activity_id: Option<&'a str>,
     pub request_id: Option<&'a str>,
+    pub client_request_id: Option<&'a str>,
     pub request: &'a str,
     pub status: u16,
     pub code: Option<&'a str>,
@@ -85,8 +90,9 @@ impl AuditRepo {
     pub async fn record(&self, e: &NewEntry<'_>) -> Result<u64, sqlx::Error> {
         let done = sqlx::query(
             "INSERT INTO admin_audit \
-             (at, operator, via, action, activity_id, request_id, request, status, code, summary, elapsed_ms) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             (at, operator, via, action, activity_id, request_id, client_request_id, request, \
+              status, code, summary, elapsed_ms) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(e.at.naive_utc())
         .bind(&*e.operator.name)
@@ -94,6 +100,7 @@ impl AuditRepo {
         .bind(e.action)
         .bind(e.activity_id)
         .bind(e.request_id.map(|id| cut(id, 128)))
+        .bind(e.client_request_id.map(|id| cut(id, 128)))
         .bind(cut(e.request, REQUEST_CHARS))
         .bind(e.status)
         .bind(e.code)
@@ -111,7 +118,8 @@ impl AuditRepo {
         limit: u32,
     ) -> Result<Vec<Entry>, sqlx::Error> {
         const COLUMNS: &str = "id, at, operator, CAST(via AS CHAR) AS via, action, activity_id, \
-                               request_id, request, status, code, summary, elapsed_ms";
+                               request_id, client_request_id, request, status, code, summary, \
+                               elapsed_ms";
         // Two statements, so that one activity's entries are read through
         // `admin_audit_by_activity` rather than by walking every entry.
         match activity_id {

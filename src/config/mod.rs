@@ -473,9 +473,12 @@ impl Settings {
     }
 
     /// Refuses the published development secrets (`config/default.toml`'s, so
-    /// anyone can sign a user token or act as admin with them) in production and
-    /// whenever `server.addr` is not a loopback address, whatever the environment
-    /// is called: a deployment that forgets `FLASHSALE_ENV` is still refused.
+    /// anyone can sign a user token or act as admin with them) whenever the
+    /// deployment is not plainly local: in production, whenever `server.addr` is
+    /// not a loopback address (whatever the environment is called: a deployment
+    /// that forgets `FLASHSALE_ENV` is still refused), and whenever
+    /// `server.trusted_proxies` names any proxy (requests then come through
+    /// another machine, even to a loopback listener).
     /// `server.ops_addr` does not matter here: it serves no authenticated
     /// endpoint, so the secrets cannot be used through it. Called by `serve`.
     pub fn check_published_secrets(&self, env: &str) -> anyhow::Result<()> {
@@ -499,12 +502,18 @@ impl Settings {
         }
         let keys = published.join(" and ");
         if env == "production" {
-            bail!("refusing to start: {keys} still has the published development value in production; set a secret of your own");
+            bail!("refusing to start: {keys} still has the published development value in production (FLASHSALE_ENV=production); set a secret of your own");
         }
         if !is_loopback(&self.server.addr) {
             bail!(
                 "refusing to start: {keys} still has the published development value and server.addr {} is not a loopback address; set a secret of your own, or listen on 127.0.0.1 for development",
                 self.server.addr
+            );
+        }
+        if !self.server.trusted_proxies.is_empty() {
+            bail!(
+                "refusing to start: {keys} still has the published development value and server.trusted_proxies is set ({}), so requests come through a proxy from other machines; set a secret of your own, or leave server.trusted_proxies empty for development",
+                self.server.trusted_proxies
             );
         }
         Ok(())
@@ -572,10 +581,15 @@ mod tests {
 
     #[test]
     fn trusted_proxies_come_as_a_comma_separated_list() {
-        // Only this test sets this variable; other tests see it and ignore it.
-        std::env::set_var("FLASHSALE__SERVER__TRUSTED_PROXIES", "10.0.0.0/8,127.0.0.1");
-        let s = Settings::load_from(&config_dir(), "development").expect("config loads");
-        std::env::remove_var("FLASHSALE__SERVER__TRUSTED_PROXIES");
+        // Given as a map, not set in the process's environment: the other tests
+        // load the defaults at the same time, and trusted proxies refuse the
+        // development secrets.
+        let vars = config::Map::from([(
+            "FLASHSALE__SERVER__TRUSTED_PROXIES".to_owned(),
+            "10.0.0.0/8,127.0.0.1".to_owned(),
+        )]);
+        let s = Settings::load_with_vars(&config_dir(), "development", Some(vars))
+            .expect("config loads");
         assert_eq!(
             s.server.trusted_proxies,
             TrustedProxies::parse(&["10.0.0.0/8", "127.0.0.1"]).expect("parses")
@@ -797,6 +811,67 @@ mod tests {
         let mut s = dev.clone();
         s.server.ops_addr = Some("0.0.0.0:9090".into());
         assert!(s.check_published_secrets("development").is_ok());
+    }
+
+    #[test]
+    fn development_secrets_are_refused_behind_trusted_proxies() {
+        let dev = Settings::load_from(&config_dir(), "development").expect("default config loads");
+        assert!(dev.server.trusted_proxies.is_empty());
+        assert!(dev.check_published_secrets("development").is_ok());
+        // On loopback, in any environment: a proxy brings other machines' requests.
+        for proxies in [&["127.0.0.1"][..], &["10.0.0.0/8", "::1"][..]] {
+            let mut s = dev.clone();
+            s.server.trusted_proxies = TrustedProxies::parse(proxies).expect("parses");
+            for env in ["development", "test", "staging"] {
+                let err = s
+                    .check_published_secrets(env)
+                    .expect_err("refused behind a proxy");
+                let text = err.to_string();
+                assert!(
+                    text.contains("server.trusted_proxies") && text.contains("admin_token"),
+                    "{text}"
+                );
+            }
+            // Secrets of one's own are fine behind proxies.
+            s.auth.admin_token = SecretString::from("an-operator-chosen-admin-token");
+            s.auth.user_token_secret = SecretString::from("an-operator-chosen-user-secret");
+            assert!(s.check_published_secrets("development").is_ok());
+        }
+    }
+
+    #[test]
+    fn each_refusal_names_its_condition() {
+        let dev = Settings::load_from(&config_dir(), "development").expect("default config loads");
+        // Production, on loopback without proxies.
+        let err = dev
+            .check_published_secrets("production")
+            .expect_err("refused in production");
+        assert!(
+            err.to_string().contains("FLASHSALE_ENV=production"),
+            "{err}"
+        );
+        // A public address.
+        let mut s = dev.clone();
+        s.server.addr = "0.0.0.0:8080".into();
+        let err = s
+            .check_published_secrets("development")
+            .expect_err("refused");
+        assert!(
+            err.to_string().contains("server.addr 0.0.0.0:8080"),
+            "{err}"
+        );
+        // Trusted proxies, on loopback.
+        let mut s = dev.clone();
+        s.server.trusted_proxies = TrustedProxies::parse(&["10.0.0.0/8"]).expect("parses");
+        let err = s
+            .check_published_secrets("development")
+            .expect_err("refused");
+        let text = err.to_string();
+        assert!(
+            text.contains("server.trusted_proxies is set (10.0.0.0/8)")
+                && !text.contains("loopback address"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! itself a trusted proxy. A setting, read by the HTTP layer's client-address
 //! step (`http::client_ip`), so it sits with the settings.
 
+use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -67,6 +68,19 @@ impl TrustedProxies {
             }
         }
         peer
+    }
+}
+
+/// The list as it would be written in the setting: `10.0.0.0/8,127.0.0.1/32`.
+impl fmt::Display for TrustedProxies {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, net) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{net}")?;
+        }
+        Ok(())
     }
 }
 

@@ -25,6 +25,7 @@ use chrono::Utc;
 use futures::StreamExt;
 use serde_json::Value;
 
+use super::middleware::ClientRequestId;
 use crate::audit::{self, Entry, NewEntry};
 use crate::error::{AppError, AppResult};
 use crate::input::is_valid_id;
@@ -73,11 +74,16 @@ pub async fn record(State(state): State<AppState>, req: Request, next: Next) -> 
                 .map(|(_, id)| id.to_owned())
         })
         .filter(|id| is_valid_id(id));
+    // The service's own id (`SetRequestIdLayer`), beside the client's, if any.
     let request_id = parts
         .headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
+    let client_request_id = parts
+        .extensions
+        .get::<ClientRequestId>()
+        .map(|ClientRequestId(id)| id.clone());
     let mut request_text = format!("{} {}", parts.method, parts.uri.path());
 
     let limit = state.settings.server.body_limit_bytes;
@@ -143,6 +149,7 @@ pub async fn record(State(state): State<AppState>, req: Request, next: Next) -> 
             action: action(&route),
             activity_id: activity_id.as_deref(),
             request_id: request_id.as_deref(),
+            client_request_id: client_request_id.as_deref(),
             request: &request_text,
             status,
             code: code.as_deref(),
@@ -181,6 +188,7 @@ async fn write(state: &AppState, e: &NewEntry<'_>) {
             action = e.action,
             activity_id = e.activity_id.unwrap_or("-"),
             request_id = e.request_id.unwrap_or("-"),
+            client_request_id = e.client_request_id.unwrap_or("-"),
             request = %audit::cut(e.request, 2000),
             status = e.status,
             code = e.code.unwrap_or("-"),

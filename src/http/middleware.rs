@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request, State};
-use axum::http::Response;
+use axum::http::{HeaderValue, Response};
 use axum::middleware::Next;
 use axum::response::IntoResponse;
 use governor::middleware::NoOpMiddleware;
@@ -48,10 +48,49 @@ pub async fn require_admin(
     Ok(next.run(req).await)
 }
 
-/// The span of one request: method, matched route and the request id set by
-/// `SetRequestIdLayer`, so every log line of the request carries its id, and,
-/// while traces are on, its trace's id (`trace_id`), the caller's trace
-/// continued (see `telemetry::trace_request`).
+/// The `X-Request-Id` a client sent, kept beside the service's own request id
+/// (the audit trail's `client_request_id`, the span's `client_request_id`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientRequestId(pub Arc<str>);
+
+/// The longest client `X-Request-Id` kept.
+pub const CLIENT_REQUEST_ID_CHARS: usize = 128;
+
+/// Takes the client's `X-Request-Id` out of the request, so that
+/// `SetRequestIdLayer`, next, always gives the request an id of the service's
+/// own: a client cannot choose the id its request is logged, traced, answered
+/// and audited under (nor make two requests share one). The client's value is
+/// kept beside it as a `ClientRequestId` when it is 1 to 128 visible ASCII
+/// characters; anything else is dropped.
+pub async fn client_request_id(mut req: Request, next: Next) -> Response<Body> {
+    let sent = req
+        .headers_mut()
+        .remove("x-request-id")
+        .and_then(|v| client_id_of(&v));
+    if let Some(id) = sent {
+        req.extensions_mut().insert(ClientRequestId(id));
+    }
+    next.run(req).await
+}
+
+/// A client's request id worth keeping: 1 to `CLIENT_REQUEST_ID_CHARS`
+/// visible ASCII characters (no space, no control character).
+fn client_id_of(value: &HeaderValue) -> Option<Arc<str>> {
+    let bytes = value.as_bytes();
+    if !(1..=CLIENT_REQUEST_ID_CHARS).contains(&bytes.len())
+        || !bytes.iter().all(u8::is_ascii_graphic)
+    {
+        return None;
+    }
+    // Visible ASCII is UTF-8, so `to_str` cannot refuse what passed.
+    value.to_str().ok().map(Arc::from)
+}
+
+/// The span of one request: method, matched route and the service's request id
+/// set by `SetRequestIdLayer`, so every log line of the request carries its id,
+/// the client's own id when it sent one (`client_request_id`), and, while
+/// traces are on, its trace's id (`trace_id`), the caller's trace continued
+/// (see `telemetry::trace_request`).
 pub fn make_span(req: &Request) -> Span {
     let request_id = req
         .headers()
@@ -72,6 +111,7 @@ pub fn make_span(req: &Request) -> Span {
         method = %req.method(),
         route,
         request_id,
+        client_request_id = tracing::field::Empty,
         client_ip,
         user_id = tracing::field::Empty,
         trace_id = tracing::field::Empty,
@@ -79,6 +119,9 @@ pub fn make_span(req: &Request) -> Span {
         otel.kind = tracing::field::Empty,
         http.response.status_code = tracing::field::Empty,
     );
+    if let Some(ClientRequestId(id)) = req.extensions().get::<ClientRequestId>() {
+        span.record("client_request_id", &**id);
+    }
     telemetry::trace_request(&span, || format!("{} {route}", req.method()));
     span
 }
@@ -307,6 +350,23 @@ mod tests {
         assert!(allowed(&l, "active"));
         assert!(allowed(&l, "active"));
         assert!(!allowed(&l, "active"));
+    }
+
+    #[test]
+    fn a_client_request_id_is_kept_only_when_short_and_visible() {
+        let kept = |text: &str| {
+            let value = HeaderValue::from_str(text).expect("a header value");
+            client_id_of(&value).map(|id| id.to_string())
+        };
+        assert_eq!(kept("req-123").as_deref(), Some("req-123"));
+        let longest = "a".repeat(CLIENT_REQUEST_ID_CHARS);
+        assert_eq!(kept(&longest), Some(longest.clone()));
+        assert_eq!(kept(&format!("{longest}b")), None, "too long");
+        assert_eq!(kept(""), None);
+        assert_eq!(kept("two words"), None);
+        assert_eq!(kept("tab\there"), None);
+        let opaque = HeaderValue::from_bytes(b"caf\xc3\xa9").expect("a header value");
+        assert_eq!(client_id_of(&opaque), None, "not ASCII");
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! The HTTP API: routes and the layers in front of them.
 //!
-//! Outermost first: request id → trace span → metrics → load shedding, global
-//! concurrency limit and timeout → per-IP rate limit → routes. User routes add
-//! authentication and then the per-user rate limit; admin routes name the operator
-//! (`operators`) and record every change in the audit trail (`audit`).
+//! Outermost first: client address → request id (always the service's own; a
+//! client's `X-Request-Id` is kept beside it) → trace span → metrics → load
+//! shedding, global concurrency limit and timeout → per-IP rate limit → routes.
+//! User routes add authentication and then the per-user rate limit; admin routes
+//! name the operator (`operators`) and record every change in the audit trail
+//! (`audit`).
 
 mod admin;
 mod audit;
@@ -139,7 +141,9 @@ where
 }
 
 /// The outermost layers of every route: the body limit, request metrics, and a
-/// request id carried by the trace span and echoed in the answer.
+/// request id of the service's own carried by the trace span and echoed in the
+/// answer (a client's `X-Request-Id` is set aside first, so it never becomes
+/// the request's id).
 pub fn observe<S>(router: Router<S>, settings: &ServerSettings) -> Router<S>
 where
     S: Clone + Send + Sync + 'static,
@@ -153,6 +157,7 @@ where
                 .layer(TraceLayer::new_for_http().make_span_with(middleware::make_span))
                 .layer(PropagateRequestIdLayer::x_request_id()),
         )
+        .layer(axum::middleware::from_fn(middleware::client_request_id))
         .layer(axum::middleware::from_fn_with_state(
             settings.trusted_proxies.clone(),
             client_ip::resolve,

@@ -4,15 +4,20 @@
 use axum::http::header;
 use axum::response::IntoResponse;
 
-/// A page of the service's own, with a policy that lets it load nothing else.
+/// A page of the service's own, with a policy that lets it load nothing else,
+/// nor be shown inside another site's frame (where a page asking for a token,
+/// or with a pause button, could be overlaid and clicked through: clickjacking).
+/// `frame-ancestors` is the policy's word for it; `X-Frame-Options` says the same
+/// to browsers that predate it.
 pub fn own_page(html: &'static str) -> impl IntoResponse {
     (
         [
             (header::CONTENT_TYPE, "text/html; charset=utf-8"),
             (
                 header::CONTENT_SECURITY_POLICY,
-                "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'",
+                "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'; frame-ancestors 'none'",
             ),
+            (header::X_FRAME_OPTIONS, "DENY"),
         ],
         html,
     )

@@ -29,6 +29,15 @@ fn assert_entry(e: &Value, who: (&str, &str), action: &str, activity: &str, stat
     assert!(e["at"].as_str().is_some_and(|t| t.ends_with('Z')), "{e}");
 }
 
+/// The request id the service answered with (`x-request-id`).
+fn request_id_of(resp: &reqwest::Response) -> String {
+    resp.headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .expect("a request id")
+        .to_owned()
+}
+
 /// The identity provider's token for `sub`, with these extra claims.
 fn provider_token(key: &TestKey, sub: &str, extra: Value) -> String {
     let mut c = claims(sub);
@@ -58,11 +67,15 @@ async fn each_change_is_recorded_once_with_who_what_and_the_answer() {
         )
         .await;
     assert_eq!(resp.status(), StatusCode::CREATED);
+    let answered_id = request_id_of(&resp);
     let entries = app.audit_entries("").await;
     assert_eq!(entries.len(), 1, "{entries:?}");
     let e = &entries[0];
     assert_entry(e, ("alice", "named"), "create", &id, 201);
-    assert_eq!(e["request_id"], "req-create");
+    // The request's id is the service's own, as answered; the client's beside it.
+    assert_eq!(e["request_id"], answered_id.as_str(), "{e}");
+    assert_ne!(e["request_id"], "req-create", "{e}");
+    assert_eq!(e["client_request_id"], "req-create", "{e}");
     assert_eq!(e["code"], Value::Null);
     let request = e["request"].as_str().expect("request text");
     assert!(request.starts_with("POST /admin/activities {") && request.contains(&id));
@@ -88,10 +101,12 @@ async fn each_change_is_recorded_once_with_who_what_and_the_answer() {
             )
             .await;
         assert_eq!(resp.status(), StatusCode::OK, "{step}");
+        let answered_id = request_id_of(&resp);
         let entries = app.audit_entries("").await;
         assert_eq!(entries.len(), before + 1, "{step}");
         assert_entry(&entries[0], who, step, &id, 200);
-        assert_eq!(entries[0]["request_id"], request_id.as_str());
+        assert_eq!(entries[0]["request_id"], answered_id.as_str());
+        assert_eq!(entries[0]["client_request_id"], request_id.as_str());
         assert_eq!(
             entries[0]["request"],
             format!("POST /admin/activities/{id}/{step}")
@@ -109,17 +124,14 @@ async fn each_change_is_recorded_once_with_who_what_and_the_answer() {
         )
         .await;
     assert_eq!(resp.status(), StatusCode::OK);
-    let sent_id = resp
-        .headers()
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .expect("a request id")
-        .to_owned();
+    let sent_id = request_id_of(&resp);
     let entries = app.audit_entries("").await;
     assert_eq!(entries.len(), 6);
     assert_entry(&entries[0], ("alice", "named"), "top_up", &id, 200);
-    // The id the service gave the request, as the answer and the logs carry it.
+    // The id the service gave the request, as the answer and the logs carry it;
+    // the client sent none.
     assert_eq!(entries[0]["request_id"], sent_id.as_str());
+    assert_eq!(entries[0]["client_request_id"], Value::Null);
     assert!(entries[0]["request"]
         .as_str()
         .is_some_and(|r| r.ends_with(r#"{"add":5}"#)));
@@ -140,6 +152,39 @@ async fn each_change_is_recorded_once_with_who_what_and_the_answer() {
         .collect();
     assert_eq!(ids.len(), 6);
     assert!(ids.windows(2).all(|w| w[0] > w[1]), "newest first: {ids:?}");
+    app.stop().await;
+}
+
+/// A client's `X-Request-Id` never becomes the request's id: the answer, the
+/// logs and the trail carry the service's own, and the client's is kept beside
+/// it only when it is 1 to 128 visible ASCII characters.
+#[tokio::test]
+async fn a_clients_request_id_is_kept_beside_the_services_own() {
+    let app = with_operators().spawn().await;
+    let sale = app.open_sale(5, 1).await;
+    let longest = "r".repeat(128);
+    let too_long = format!("{longest}r");
+    for (step, sent, kept) in [
+        ("pause", longest.as_str(), Some(longest.as_str())),
+        ("resume", too_long.as_str(), None),
+        ("pause", "two words", None),
+        ("resume", "", None),
+    ] {
+        let resp = app
+            .send(
+                app.api
+                    .admin_step_as(&sale.id, step, Caller::Token(ALICE))
+                    .header("x-request-id", sent),
+            )
+            .await;
+        assert_eq!(resp.status(), StatusCode::OK, "{step} {sent:?}");
+        let answered_id = request_id_of(&resp);
+        assert_ne!(answered_id, sent, "the answer carries the service's id");
+        let e = &app.audit_entries("").await[0];
+        assert_entry(e, ("alice", "named"), step, &sale.id, 200);
+        assert_eq!(e["request_id"], answered_id.as_str(), "{e}");
+        assert_eq!(e["client_request_id"], json!(kept), "{sent:?}: {e}");
+    }
     app.stop().await;
 }
 

@@ -119,6 +119,47 @@ async fn behind_a_trusted_proxy_each_client_has_its_own_bucket() {
     );
 }
 
+/// An IPv6 client is counted by its /64: addresses it picks within it share
+/// one bucket; another /64 has its own. An IPv4-mapped address counts as its
+/// IPv4 address.
+#[tokio::test]
+async fn an_ipv6_client_is_counted_by_its_64() {
+    let app = TestApp::builder()
+        .per_ip_limit(1, 3)
+        .trusted_proxies(&["127.0.0.1"])
+        .spawn()
+        .await;
+    let mut statuses = Vec::new();
+    for i in 1..=6 {
+        let client = format!("2001:db8:1:2::{i:x}");
+        statuses.push(forwarded_for(&app, &client).await.status());
+    }
+    assert_eq!(&statuses[..3], &[StatusCode::NOT_FOUND; 3], "{statuses:?}");
+    assert!(
+        statuses[3..]
+            .iter()
+            .all(|s| *s == StatusCode::TOO_MANY_REQUESTS),
+        "six addresses of one /64, one bucket: {statuses:?}"
+    );
+    let neighbour = forwarded_for(&app, "2001:db8:1:3::1").await;
+    assert_eq!(
+        neighbour.status(),
+        StatusCode::NOT_FOUND,
+        "the next /64 has its own bucket"
+    );
+
+    let mut statuses = Vec::new();
+    for client in ["203.0.113.60", "::ffff:203.0.113.60"].repeat(3) {
+        statuses.push(forwarded_for(&app, client).await.status());
+    }
+    assert!(
+        statuses[3..]
+            .iter()
+            .all(|s| *s == StatusCode::TOO_MANY_REQUESTS),
+        "an IPv4-mapped address is its IPv4 address: {statuses:?}"
+    );
+}
+
 /// `GET /flash/unknown-sku` with this `X-Forwarded-For`.
 async fn forwarded_for(app: &TestApp, client: &str) -> reqwest::Response {
     let request = app

@@ -66,6 +66,42 @@ async fn an_operator_watches_and_pauses_a_sale_in_the_browser() {
     drop(browser);
 }
 
+/// No page of the service's can be framed by another site (clickjacking):
+/// each says so in its one policy and in `X-Frame-Options`.
+#[tokio::test]
+async fn every_page_refuses_to_be_framed() {
+    let app = spawn_app().await;
+    for path in ["/admin/ui", "/docs", "/buy/any-sku"] {
+        let page = app.get(path).await;
+        assert_eq!(page.status(), StatusCode::OK, "{path}");
+        let policies: Vec<&str> = page
+            .headers()
+            .get_all("content-security-policy")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        assert_eq!(policies.len(), 1, "one policy on {path}: {policies:?}");
+        assert!(
+            policies[0]
+                .split(';')
+                .any(|d| d.trim() == "frame-ancestors 'none'"),
+            "{path}: {policies:?}"
+        );
+        assert!(
+            policies[0].contains("default-src 'self'"),
+            "{path}: {policies:?}"
+        );
+        assert_eq!(
+            page.headers()
+                .get("x-frame-options")
+                .and_then(|v| v.to_str().ok()),
+            Some("DENY"),
+            "{path}"
+        );
+    }
+    app.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_action_on_the_page_appears_in_the_audit_trail_under_the_operators_name() {
     const OLGA: &str = "Olga-token-0123456789xyz";
