@@ -8,6 +8,7 @@
 pub mod activity;
 pub mod audit;
 pub mod auth;
+pub mod clock;
 pub mod config;
 pub mod error;
 pub mod http;

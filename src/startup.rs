@@ -132,7 +132,7 @@ impl Services {
             );
         }
         let activities = ActivityRepo::new(pool.clone());
-        let orders = OrderRepo::new(pool.clone());
+        let orders = OrderRepo::new(pool.clone()).with_clock(stock.clock().clone());
         let writer = OrderWriter::new(orders.clone(), stock.clone());
         let reconciler = Reconciler::new(
             activities.clone(),
@@ -165,6 +165,9 @@ impl Services {
     }
 }
 
+/// How long a start waits for its first reading of the shared clock.
+const FIRST_SAMPLE_WITHIN: Duration = Duration::from_secs(2);
+
 /// The API's listener and, when `server.ops_addr` is set, the operations one.
 async fn bind_listeners(
     settings: &ServerSettings,
@@ -187,6 +190,11 @@ impl Application {
     pub async fn build(settings: Settings) -> anyhow::Result<Self> {
         let metrics = telemetry::metrics_handle()?;
         let services = Services::connect_serving(&settings).await?;
+        services
+            .stock
+            .clock()
+            .first_sample(FIRST_SAMPLE_WITHIN)
+            .await;
         let readiness = Readiness::default();
         for warning in redis_durability(&settings.redis, &services.stock).await {
             readiness.warn(warning);
@@ -194,7 +202,7 @@ impl Application {
         let publisher = Publisher::new(&settings.kafka)?;
         create_topics(&settings).await?;
         let cache = services.loaded_cache().await?;
-        let auth = Auth::from_settings(&settings.auth)?;
+        let auth = Auth::from_settings(&settings.auth)?.with_clock(services.stock.clock().clone());
         let operators = Operators::from_settings(&settings.auth)?;
         let (listener, ops_listener) = bind_listeners(&settings.server).await?;
         let port = listener.local_addr().context("no local address")?.port();
@@ -372,6 +380,7 @@ fn spawn_upkeep(
         state.publisher.clone(),
         shutdown.clone(),
     ));
+    background.spawn(state.stock.clock().clone().run(shutdown.clone()));
     background.spawn(prune_rate_limiters(limiters.clone(), shutdown.clone()));
     // The identity provider's JWKS (when configured): fetched now and kept fresh.
     background.spawn(state.auth.clone().run_key_refresher(shutdown.clone()));
@@ -464,10 +473,17 @@ fn spawn_workers(
 pub async fn run_consumer(settings: Settings, shutdown: CancellationToken) -> anyhow::Result<()> {
     let ops = serve_consumer_ops(&settings.consumer.metrics_addr, shutdown.clone()).await?;
     let services = Services::connect(&settings).await?;
+    services
+        .stock
+        .clock()
+        .first_sample(FIRST_SAMPLE_WITHIN)
+        .await;
+    let clock = tokio::spawn(services.stock.clock().clone().run(shutdown.clone()));
     let publisher = Publisher::new(&settings.kafka)?;
     create_topics(&settings).await?;
     let consumer = OrderConsumer::new(&settings, services.writer, publisher.clone())?;
     consumer.run(shutdown).await;
+    clock.await.context("the clock's task failed")?;
     tokio::task::spawn_blocking(move || publisher.flush(Duration::from_secs(5)))
         .await
         .context("producer flush task failed")?;
@@ -564,13 +580,18 @@ pub async fn reconcile_once(
     activity: Option<&str>,
 ) -> anyhow::Result<Vec<Report>> {
     let services = Services::connect(settings).await?;
+    services
+        .stock
+        .clock()
+        .first_sample(FIRST_SAMPLE_WITHIN)
+        .await;
     let reconciler = &services.reconciler;
     let mut reports = Vec::new();
     match activity {
         Some(id) => reports.push(reconciler.reconcile(id).await?),
         None => {
             let cache = services.loaded_cache().await?;
-            for a in cache.current_activities(chrono::Utc::now()) {
+            for a in cache.current_activities(services.stock.clock().now()) {
                 reports.push(reconciler.reconcile_activity(&a).await?);
             }
         }

@@ -4,7 +4,6 @@
 
 use std::sync::Arc;
 
-use chrono::Utc;
 use tokio::sync::Notify;
 
 use crate::activity::{Activity, ActivityRepo, Build, TopUpError, Window};
@@ -78,7 +77,7 @@ impl Stocking {
         let live = self.stock.snapshot(id, activity.stock_shards).await?;
         let loaded = live.loaded();
         let paused = activity.paused || live.state.as_deref() == Some("paused");
-        if loaded && activity.window(Utc::now()) == Window::Open && !paused {
+        if loaded && activity.window(self.stock.clock().now()) == Window::Open && !paused {
             return Ok(Preload::Open);
         }
         // Only an activity that was loaded before can have messages in the topic.

@@ -366,6 +366,7 @@ const METRICS: &[(Kind, &str, &str)] = &[
     (Kind::Histogram, "flashsale_kafka_publish_duration_seconds", "Time for the broker to acknowledge a reservation message."),
     (Kind::Counter, "flashsale_kafka_publish_failures_total", "Reservation publishes that failed; sent=no were never sent (units returned), sent=unknown were withdrawn through MySQL."),
     (Kind::Counter, "flashsale_kafka_producer_replaced_total", "Kafka producers rebuilt after a fatal producer error."),
+    (Kind::Gauge, "flashsale_clock_own_ahead_seconds", "How far this instance's own clock is ahead of the shared clock (Redis TIME) every time rule follows; negative when behind."),
     (Kind::Counter, "flashsale_redis_unreplicated_reservations_total", "Reservations answered 202 without waiting for a replica: redis.min_replicas_acked = auto and the sale's primary had none online (a failover now could lose them)."),
     (Kind::Counter, "flashsale_redis_replica_ack_failures_total", "Reservations refused because Redis replicas did not acknowledge them in time (redis.min_replicas_acked)."),
     (Kind::Counter, "flashsale_redis_script_eval_fallbacks_total", "Lua scripts sent whole with EVAL because the Redis node did not hold them (restarted, failed over or flushed)."),

@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use subtle::ConstantTimeEq;
 use tokio_util::sync::CancellationToken;
 
+use crate::clock::Clock;
 use crate::config::AuthSettings;
 use crate::error::AppError;
 use crate::input::is_valid_id;
@@ -83,6 +84,8 @@ struct TokenClaims {
     #[serde(default)]
     exp: Option<f64>,
     #[serde(default)]
+    nbf: Option<f64>,
+    #[serde(default)]
     role: Option<serde_json::Value>,
     #[serde(default)]
     iss: Option<serde_json::Value>,
@@ -113,6 +116,9 @@ pub struct Auth {
     provider: Option<Arc<Provider>>,
     verified: Arc<Verified>,
     leeway: u64,
+    /// What `exp` and `nbf` are judged against: the shared clock in the
+    /// service (see `crate::clock`), this process's own elsewhere.
+    clock: Clock,
 }
 
 struct Hs256 {
@@ -166,6 +172,7 @@ impl Auth {
             provider,
             verified,
             leeway: settings.leeway_secs,
+            clock: Clock::local(),
         })
     }
 
@@ -186,7 +193,14 @@ impl Auth {
             provider: None,
             verified: Arc::new(Verified::new(0)),
             leeway: DEFAULT_LEEWAY_SECS,
+            clock: Clock::local(),
         })
+    }
+
+    /// Judges `exp` and `nbf` by `clock` (the service's: the shared one).
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// Keeps at most `capacity` verified tokens (0: verify every request in
@@ -206,7 +220,9 @@ impl Auth {
         if !is_valid_id(user_id) {
             anyhow::bail!("user id must be 1 to 64 characters of A-Z, a-z, 0-9, '_' or '-'");
         }
-        let exp = chrono::Utc::now()
+        let exp = self
+            .clock
+            .now()
             .timestamp()
             .checked_add(ttl_secs)
             .context("the token's validity overflows its expiry")?;
@@ -227,7 +243,7 @@ impl Auth {
     /// for the JWKS (see [`jwks`]).
     pub async fn user(&self, headers: &HeaderMap) -> Result<User, AppError> {
         let token = bearer(headers)?;
-        let now = jsonwebtoken::get_current_timestamp() as i64;
+        let now = self.clock.now().timestamp();
         // `auth.leeway_secs` is at most 300 (checked at load).
         if let Some(user) = self
             .verified
@@ -294,8 +310,25 @@ impl Auth {
         }
     }
 
-    /// The claims of a token signed by one of `signers`, after every check.
+    /// The claims of a token signed by one of `signers`, after every check:
+    /// the signature's and the claims' (`verify_signed`), then `exp` and `nbf`
+    /// against the service's clock, within `auth.leeway_secs`.
     async fn verify(&self, token: &str, signers: Signers) -> Result<TokenClaims, AppError> {
+        let claims = self.verify_signed(token, signers).await?;
+        let now = self.clock.now().timestamp() as f64;
+        let leeway = self.leeway as f64;
+        if claims.exp.is_some_and(|exp| exp < now - leeway) {
+            return Err(AppError::Unauthorized("token expired"));
+        }
+        if claims.nbf.is_some_and(|nbf| nbf > now + leeway) {
+            return Err(AppError::Unauthorized("token not valid yet (nbf)"));
+        }
+        Ok(claims)
+    }
+
+    /// The claims of a token signed by one of `signers`, after every check but
+    /// its time's.
+    async fn verify_signed(&self, token: &str, signers: Signers) -> Result<TokenClaims, AppError> {
         let header = jsonwebtoken::decode_header(token)
             .map_err(|_| AppError::Unauthorized("token is malformed"))?;
         let provider = self.provider.as_deref();
@@ -344,8 +377,10 @@ impl Hs256 {
         let secret = secret.expose_secret().as_bytes();
         let mut validation = Validation::new(Algorithm::HS256);
         validation.set_required_spec_claims(&["exp", "sub"]);
-        // A token that says it is not valid yet is not valid yet.
-        validation.validate_nbf = true;
+        // `exp` and `nbf` are judged against the shared clock (`Auth::verify`),
+        // not this process's own.
+        validation.validate_exp = false;
+        validation.validate_nbf = false;
         validation.leeway = leeway;
         Ok(Hs256 {
             encoding: EncodingKey::from_secret(secret).context("invalid user token secret")?,
@@ -381,7 +416,9 @@ impl Provider {
         }
         let mut validation = Validation::new(Algorithm::RS256);
         validation.set_required_spec_claims(&required);
-        validation.validate_nbf = true;
+        // As for HS256: the shared clock judges `exp` and `nbf`.
+        validation.validate_exp = false;
+        validation.validate_nbf = false;
         validation.leeway = settings.leeway_secs;
         if let Some(issuer) = &settings.issuer {
             validation.set_issuer(&[issuer]);
@@ -544,6 +581,33 @@ mod tests {
         let rs = TestSigner::rsa().sign(&provider_claims("alice"));
         let err = a.user(&bearer_of(&rs)).await.expect_err("no provider");
         assert_eq!(err.to_string(), "token algorithm is not accepted");
+    }
+
+    /// `exp` and `nbf` follow the service's clock (the shared one), not this
+    /// process's: ten minutes ahead of it, a token this process thinks has a
+    /// minute left has expired; ten minutes behind, one valid from five minutes
+    /// on is not valid yet.
+    #[tokio::test]
+    async fn token_times_follow_the_services_clock() {
+        let own = chrono::Utc::now();
+        let ahead = auth().with_clock(Clock::fixed_at(own + chrono::Duration::minutes(10)));
+        let t = auth().issue("alice", 60).expect("issue");
+        let err = ahead.user(&bearer_of(&t)).await.expect_err("expired");
+        assert_eq!(err.to_string(), "token expired");
+        let behind = auth().with_clock(Clock::fixed_at(own - chrono::Duration::minutes(10)));
+        let later = hs256(
+            b"user-secret-0123456789",
+            None,
+            &json!({"sub": "bob", "exp": own.timestamp() + 3600, "nbf": own.timestamp() - 300}),
+        );
+        let err = behind.user(&bearer_of(&later)).await.expect_err("not yet");
+        assert_eq!(err.to_string(), "token not valid yet (nbf)");
+        // By this process's own clock, both are fine.
+        assert!(auth().user(&bearer_of(&t)).await.is_ok());
+        assert!(auth().user(&bearer_of(&later)).await.is_ok());
+        // Issued by a service whose clock is ahead, a token's expiry follows it.
+        let issued = ahead.issue("cy", 60).expect("issue");
+        assert!(ahead.user(&bearer_of(&issued)).await.is_ok());
     }
 
     #[tokio::test]

@@ -8,7 +8,6 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
-use chrono::Utc;
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -266,7 +265,7 @@ async fn describe(state: &AppState, activity: &Activity) -> AppResult<Value> {
         .await?
         .into_iter()
         .collect();
-    let now_ms = Utc::now().timestamp_millis();
+    let now_ms = state.stock.clock().now_ms();
     let mut live = match state.stock.snapshot(id, activity.stock_shards).await {
         Ok(s) => json!({
             "loaded": s.loaded(),

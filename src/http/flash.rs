@@ -67,7 +67,7 @@ pub async fn status(
     State(state): State<AppState>,
     Path(sku): Path<String>,
 ) -> AppResult<Json<SaleStatus>> {
-    let now = Utc::now();
+    let now = state.stock.clock().now();
     let activity = activity_for(&state, &sku, now)?;
     // Redis holds the live figures; when it cannot answer (or lost the activity)
     // the database's count is the honest fallback.
@@ -165,7 +165,7 @@ pub async fn reserve(
 ) -> AppResult<(StatusCode, Json<Reserved>)> {
     let bytes = body::read(raw, state.settings.server.body_limit_bytes)?;
     let quantity = parse_quantity(&bytes)?;
-    let now = Utc::now();
+    let now = state.stock.clock().now();
     let activity = activity_for(&state, &sku, now)?;
     match activity.window(now) {
         Window::Upcoming => return Err(count(AppError::NotStarted)),
@@ -422,7 +422,7 @@ pub async fn join_queue(
     Path(sku): Path<String>,
     Extension(user): Extension<User>,
 ) -> AppResult<axum::response::Response> {
-    let now = Utc::now();
+    let now = state.stock.clock().now();
     let activity = room_for(&state, &sku, now)?;
     if now < activity.joins_from() {
         return Err(AppError::NotStarted);
@@ -475,7 +475,7 @@ pub async fn queue_status(
     Path(sku): Path<String>,
     Extension(user): Extension<User>,
 ) -> AppResult<axum::response::Response> {
-    let now = Utc::now();
+    let now = state.stock.clock().now();
     let activity = room_for(&state, &sku, now)?;
     let place = match activity.redis_removing {
         true => None,
@@ -546,7 +546,7 @@ pub async fn reservation(
     Path(sku): Path<String>,
     Extension(user): Extension<User>,
 ) -> AppResult<Json<ReservationView>> {
-    let activity = activity_for(&state, &sku, Utc::now())?;
+    let activity = activity_for(&state, &sku, state.stock.clock().now())?;
     let polled = state
         .stock
         .poll_view(&activity.id, activity.stock_shards, &user.id)
@@ -560,7 +560,7 @@ pub async fn reservation(
             return Ok(Json(ReservationView::pending(reservation_id)));
         }
         Ok(Polled::Cached { view, token }) => {
-            if let Some(view) = ReservationView::from_cache(&view, Utc::now()) {
+            if let Some(view) = ReservationView::from_cache(&view, state.stock.clock().now()) {
                 answered("redis");
                 return Ok(Json(view));
             }

@@ -159,8 +159,8 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
 }
 
 async fn record_activities(state: &AppState) -> redis::RedisResult<()> {
-    let now_ms = chrono::Utc::now().timestamp_millis();
-    for a in state.cache.current_activities(chrono::Utc::now()) {
+    let now_ms = state.stock.clock().now_ms();
+    for a in state.cache.current_activities(state.stock.clock().now()) {
         let snap = state.stock.snapshot(&a.id, a.stock_shards).await?;
         let id = a.id.clone();
         metrics::gauge!("flashsale_activity_units_left", "activity_id" => id.clone())
@@ -182,7 +182,7 @@ async fn record_activities(state: &AppState) -> redis::RedisResult<()> {
             },
         );
     }
-    for a in state.cache.waiting_rooms(chrono::Utc::now()) {
+    for a in state.cache.waiting_rooms(state.stock.clock().now()) {
         let f = state.waiting_room.figures(&a).await?;
         let id = a.id.clone();
         for (name, value) in [

@@ -4,8 +4,10 @@ mod decide;
 
 use std::collections::{HashMap, HashSet};
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, NaiveDateTime, Utc};
 use sqlx::{MySqlConnection, MySqlPool};
+
+use crate::clock::Clock;
 
 use decide::{decide, Known, Locked, NewOrder, Plan};
 pub use decide::{Decision, Incoming, NewRows};
@@ -89,11 +91,23 @@ fn from_row(r: OrderRow) -> Result<Order, sqlx::Error> {
 #[derive(Clone)]
 pub struct OrderRepo {
     pool: MySqlPool,
+    /// Payment deadlines are set and judged by it: the shared clock in the
+    /// service (see `crate::clock`), not MySQL's or this process's.
+    clock: Clock,
 }
 
 impl OrderRepo {
     pub fn new(pool: MySqlPool) -> Self {
-        OrderRepo { pool }
+        OrderRepo {
+            pool,
+            clock: Clock::local(),
+        }
+    }
+
+    /// Sets and judges payment deadlines by `clock`.
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// The order of this user in this activity, if one reached MySQL: the live or
@@ -182,7 +196,7 @@ impl OrderRepo {
         let mut tx = self.pool.begin().await?;
         let known = read(&mut tx, batch).await?;
         let plan = decide(batch, known, new_rows);
-        write(&mut tx, &plan).await?;
+        write(&mut tx, &plan, self.clock.now().naive_utc()).await?;
         tx.commit().await?;
         Ok(plan.decisions)
     }
@@ -217,12 +231,15 @@ impl OrderRepo {
     /// Pays an order: a compare-and-set from `pending_payment` before its deadline,
     /// so a payment and the sweeper's cancellation never both win.
     pub async fn pay(&self, id: u64, user_id: &str) -> Result<PayOutcome, sqlx::Error> {
+        let now = self.clock.now().naive_utc();
         let done = sqlx::query(
-            "UPDATE orders SET status = 'paid', paid_at = NOW(3) \
-             WHERE id = ? AND user_id = ? AND status = 'pending_payment' AND expires_at > NOW(3)",
+            "UPDATE orders SET status = 'paid', paid_at = ? \
+             WHERE id = ? AND user_id = ? AND status = 'pending_payment' AND expires_at > ?",
         )
+        .bind(now)
         .bind(id)
         .bind(user_id)
+        .bind(now)
         .execute(&self.pool)
         .await?
         .rows_affected();
@@ -243,10 +260,12 @@ impl OrderRepo {
     /// in the same transaction, so two sweepers (or a sweeper and a payment) never
     /// both win and the units come back once. Returns the cancelled orders.
     pub async fn cancel_expired(&self, limit: u32) -> Result<Vec<Order>, sqlx::Error> {
+        let now = self.clock.now().naive_utc();
         let candidates: Vec<(u64,)> = sqlx::query_as(
-            "SELECT id FROM orders WHERE status = 'pending_payment' AND expires_at <= NOW(3) \
+            "SELECT id FROM orders WHERE status = 'pending_payment' AND expires_at <= ? \
              ORDER BY expires_at LIMIT ?",
         )
+        .bind(now)
         .bind(limit)
         .fetch_all(&self.pool)
         .await?;
@@ -254,10 +273,12 @@ impl OrderRepo {
         for (id,) in candidates {
             let mut tx = self.pool.begin().await?;
             let won = sqlx::query(
-                "UPDATE orders SET status = 'cancelled', cancelled_at = NOW(3) \
-                 WHERE id = ? AND status = 'pending_payment' AND expires_at <= NOW(3)",
+                "UPDATE orders SET status = 'cancelled', cancelled_at = ? \
+                 WHERE id = ? AND status = 'pending_payment' AND expires_at <= ?",
             )
+            .bind(now)
             .bind(id)
+            .bind(now)
             .execute(&mut *tx)
             .await?
             .rows_affected();
@@ -494,20 +515,27 @@ async fn withdrawn(
 /// multi-row inserts of the new orders (and failed ones) and of the withdrawals,
 /// one guarded update per activity taking the units, and the redeliveries
 /// counted.
-async fn write(conn: &mut MySqlConnection, plan: &Plan<'_>) -> Result<(), sqlx::Error> {
-    insert_orders(conn, &plan.orders).await?;
+async fn write(
+    conn: &mut MySqlConnection,
+    plan: &Plan<'_>,
+    now: NaiveDateTime,
+) -> Result<(), sqlx::Error> {
+    insert_orders(conn, &plan.orders, now).await?;
     insert_withdrawals(conn, &plan.withdrawals).await?;
     take_units(conn, &plan.taken).await?;
     count_redeliveries(conn, &plan.redelivered).await
 }
 
+/// `now` (the shared clock) is each order's `created_at`, and its payment
+/// deadline runs from it.
 async fn insert_orders(
     conn: &mut MySqlConnection,
     rows: &[NewOrder<'_>],
+    now: NaiveDateTime,
 ) -> Result<(), sqlx::Error> {
     for chunk in rows.chunks(500) {
-        let values = vec!["(?, ?, ?, ?, ?, ?, ?, NOW(3), NOW(3) + INTERVAL ? SECOND)"; chunk.len()]
-            .join(", ");
+        let values =
+            vec!["(?, ?, ?, ?, ?, ?, ?, ?, ? + INTERVAL ? SECOND)"; chunk.len()].join(", ");
         let sql = format!(
             "INSERT INTO orders \
              (reservation_id, activity_id, user_id, quantity, status, failure_reason, units_returned, created_at, expires_at) \
@@ -523,6 +551,8 @@ async fn insert_orders(
                 .bind(row.status)
                 .bind(row.reason)
                 .bind(row.returned)
+                .bind(now)
+                .bind(now)
                 // NULL seconds make a NULL deadline, right for a failed row.
                 .bind(row.timeout);
         }

@@ -237,7 +237,7 @@ impl Reconciler {
         metrics::counter!("flashsale_reconcile_runs_total").increment(1);
         let mut report = Report {
             activity_id: activity.id.clone(),
-            checked_at: Utc::now(),
+            checked_at: self.stock.clock().now(),
             consumer_lag,
             ..Report::default()
         };
@@ -300,7 +300,7 @@ impl Reconciler {
             .finish_transfers(
                 &activity.id,
                 activity.stock_shards,
-                Utc::now().timestamp_millis() - TRANSFER_GRACE_MS,
+                self.stock.clock().now().timestamp_millis() - TRANSFER_GRACE_MS,
             )
             .await?;
         report.topups_finished = self.finish_topups(activity).await?;
@@ -343,7 +343,7 @@ impl Reconciler {
             // first pass after a start.
             let lag = self.measure_lag().await;
             let started = Instant::now();
-            let now = Utc::now();
+            let now = self.stock.clock().now();
             let lost: std::collections::HashSet<String> = self
                 .lost_since
                 .lock()
@@ -430,7 +430,7 @@ impl Reconciler {
                         .open_loans(
                             &activity.id,
                             activity.stock_shards,
-                            Utc::now().timestamp_millis() - TRANSFER_GRACE_MS,
+                            self.stock.clock().now().timestamp_millis() - TRANSFER_GRACE_MS,
                         )
                         .await?
                         .is_empty();

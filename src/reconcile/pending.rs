@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 
 use super::{Reconciler, Report};
@@ -25,7 +24,7 @@ impl Reconciler {
         let deadline_ms = self.pending_deadline.as_millis().min(i64::MAX as u128) as i64;
         self.decide_pending(
             activity,
-            Utc::now().timestamp_millis() - deadline_ms,
+            self.stock.clock().now().timestamp_millis() - deadline_ms,
             report,
         )
         .await

@@ -6,8 +6,6 @@
 
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
-
 use super::pending::honour;
 use super::{decide, Reconciler, Report, LAG_READ_TIMEOUT};
 use crate::activity::{Activity, Build, Window};
@@ -145,7 +143,7 @@ impl Reconciler {
             || chrono::Duration::from_std(self.retain_after_end)
                 .ok()
                 .and_then(|retain| activity.ends_at.checked_add_signed(retain))
-                .is_some_and(|until| until <= Utc::now())
+                .is_some_and(|until| until <= self.stock.clock().now())
     }
 
     /// Redis does not hold the activity (`Missing`), or holds an older build of it
@@ -166,7 +164,7 @@ impl Reconciler {
         lost_seen: Instant,
         report: &mut Report,
     ) -> anyhow::Result<()> {
-        let open = activity.window(Utc::now()) == Window::Open;
+        let open = activity.window(self.stock.clock().now()) == Window::Open;
         let since = if open {
             *self
                 .lost_since
@@ -300,7 +298,7 @@ impl Reconciler {
         if mode == PreloadMode::Force {
             let mut report = Report::default();
             // Everything pending up to now (and a little beyond, for clock skew).
-            let until = Utc::now().timestamp_millis() + 60_000;
+            let until = self.stock.clock().now().timestamp_millis() + 60_000;
             self.decide_pending(activity, until, &mut report).await?;
         }
         let build = self

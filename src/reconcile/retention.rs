@@ -1,8 +1,6 @@
 //! A finished sale's Redis state is removed `redis.retain_after_end_secs` after
 //! its end, for good; everything about it is then answered from MySQL.
 
-use chrono::Utc;
-
 use super::{decide, Reconciler};
 use crate::activity::Activity;
 
@@ -30,7 +28,7 @@ impl Reconciler {
     pub async fn remove_ended(&self) -> anyhow::Result<usize> {
         let Some(cutoff) = chrono::Duration::from_std(self.retain_after_end)
             .ok()
-            .and_then(|retain| Utc::now().checked_sub_signed(retain))
+            .and_then(|retain| self.stock.clock().now().checked_sub_signed(retain))
         else {
             return Ok(0);
         };
@@ -53,7 +51,7 @@ impl Reconciler {
 
     /// One sale of `remove_ended`; whether it was removed now.
     pub(super) async fn remove_one(&self, a: &Activity) -> anyhow::Result<bool> {
-        let now = Utc::now();
+        let now = self.stock.clock().now();
         let looked_after = a.ends_at + crate::activity::LOOKED_AFTER > now;
         let room = a.admission == crate::activity::Admission::WaitingRoom;
         if room && !a.redis_removing {

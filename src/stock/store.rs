@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use redis::RedisResult;
 
+use crate::clock::Clock;
 use crate::config::ReplicasAcked;
 
 use super::barrier::{ReplicaBarrier, Replication};
@@ -17,6 +18,8 @@ use super::script::{invoke, Lua};
 #[derive(Clone)]
 pub struct StockStore {
     pub(super) conn: RedisConn,
+    /// The shared clock, read from this Redis (see `crate::clock`).
+    clock: Clock,
     pub(super) dry: Arc<DrySiblings>,
     pub(super) gate: Arc<SoldOutGate>,
     pub(super) barrier: Option<ReplicaBarrier>,
@@ -40,6 +43,7 @@ pub struct StockStore {
 impl StockStore {
     pub fn new(conn: RedisConn) -> Self {
         StockStore {
+            clock: Clock::shared(conn.clone()),
             conn,
             dry: Arc::default(),
             gate: Arc::default(),
@@ -66,6 +70,18 @@ impl StockStore {
             view_change: Lua::new(include_str!("view_change.lua")),
             remove: Lua::new(include_str!("remove.lua")),
         }
+    }
+
+    /// The clock every time rule follows: this Redis's, shared by every
+    /// instance (see `crate::clock`).
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// The same store judging time by `clock` (tests).
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
     }
 
     pub fn connection(&self) -> RedisConn {

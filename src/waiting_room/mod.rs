@@ -52,6 +52,7 @@ use sqlx::MySqlPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::activity::{Activity, ActivityCache, LOOKED_AFTER};
+use crate::clock::Clock;
 use crate::config::WaitingRoomSettings;
 use crate::orders::OrderRepo;
 use crate::stock::{arg, invoke, Lua, RedisConn, RoomKeys, StockStore};
@@ -412,11 +413,11 @@ impl WaitingRoom {
                     None => (String::new(), String::new()),
                 };
                 let sent = Instant::now();
-                let before = ms(Utc::now());
+                let before = ms(self.stock.clock().now());
                 let reply: RedisResult<(String, u64, i64, String, i64, i64)> = self
                     .run(a, &self.check, &[arg(&last_user), arg(&last_seq)])
                     .await;
-                let after = ms(Utc::now());
+                let after = ms(self.stock.clock().now());
                 let verdict = match reply {
                     Ok((gen, counter, kept, run_id, secs, micros)) => {
                         let reply = early::CheckReply {
@@ -1195,7 +1196,7 @@ const JOURNAL_TIMEOUT: Duration = Duration::from_secs(5);
 async fn copy_journals(room: &WaitingRoom, cache: &ActivityCache, shutdown: CancellationToken) {
     // Until every entry is copied: a room's state is removed only once its
     // journal is empty (see `reconcile::retention`).
-    every_room(JOURNAL_EVERY, LOOKED_AFTER, cache, shutdown, |a, _| async move {
+    every_room(JOURNAL_EVERY, LOOKED_AFTER, room.stock.clock(), cache, shutdown, |a, _| async move {
         match tokio::time::timeout(JOURNAL_TIMEOUT, room.copy_journal(&a)).await {
             Ok(Ok(())) => {}
             Ok(Err(err)) => {
@@ -1212,7 +1213,7 @@ async fn copy_journals(room: &WaitingRoom, cache: &ActivityCache, shutdown: Canc
 async fn admit_every_tick(room: &WaitingRoom, cache: &ActivityCache, shutdown: CancellationToken) {
     let every = Duration::from_millis(room.settings.tick_ms);
     let after_end = loop_after_end(Duration::from_secs(room.settings.turn_secs));
-    every_room(every, after_end, cache, shutdown, |a, now| async move {
+    every_room(every, after_end, room.stock.clock(), cache, shutdown, |a, now| async move {
         if let Err(err) = room.step(&a, now).await {
             tracing::warn!(activity_id = %a.id, error = %format!("{err:#}"), "waiting room step failed");
         }
@@ -1226,6 +1227,7 @@ async fn admit_every_tick(room: &WaitingRoom, cache: &ActivityCache, shutdown: C
 async fn every_room<F, Fut>(
     every: Duration,
     after_end: chrono::Duration,
+    clock: &Clock,
     cache: &ActivityCache,
     shutdown: CancellationToken,
     mut each: F,
@@ -1240,7 +1242,7 @@ async fn every_room<F, Fut>(
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let now = Utc::now();
+        let now = clock.now();
         for a in cache.waiting_rooms(now) {
             if now > a.ends_at + after_end {
                 continue;
