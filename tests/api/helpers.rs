@@ -662,6 +662,30 @@ impl TestApp {
         }
     }
 
+    /// Whether the primaries holding the sale's shards have a replica online
+    /// (a lone Redis has none; each primary of the test Cluster has one).
+    /// Panics when some have and some have not: no test sets that up.
+    pub async fn replicas_online(&self, sale: &Sale) -> bool {
+        let mut conn = self.state.stock.connection();
+        let mut seen = Vec::new();
+        for k in flashsale::stock::Keys::all(&sale.id, sale.shards) {
+            // A script naming the shard's key runs on the node that owns it.
+            let info: String = redis::cmd("EVAL")
+                .arg("return redis.call('INFO', 'replication')")
+                .arg(1)
+                .arg(&k.barrier)
+                .query_async(&mut conn)
+                .await
+                .expect("INFO replication of a shard's primary");
+            seen.push(info.contains("state=online"));
+        }
+        assert!(
+            seen.iter().all(|s| *s == seen[0]),
+            "replicas online on some shards only: {seen:?}"
+        );
+        seen[0]
+    }
+
     /// The sale's state in Redis, summed over its shards.
     pub async fn redis_snapshot(&self, sale: &Sale) -> flashsale::stock::StockSnapshot {
         self.state

@@ -339,11 +339,14 @@ async fn what_a_winning_reservation_costs_redis() {
     let lines = app.watched(&sale, watch).await;
     let seconds = started.elapsed().as_secs() as usize + 1;
     let (runs, other) = script_runs(&lines);
-    // `redis.min_replicas_acked = auto`, the default, on a Redis without
-    // replicas: the barrier looks at the shard's replicas online (`HGET` of the
-    // buyer, and a script whose `INFO` names no key) about once a second (those
-    // arriving together before the first look answers each look), and waits
-    // for none.
+    // `redis.min_replicas_acked = auto`, the default: the barrier looks at the
+    // shard's replicas online (`HGET` of the buyer, and a script whose `INFO`
+    // names no key) about once a second (those arriving together before the
+    // first look answers each look). Without a replica online (a lone Redis)
+    // it waits for none; with one (the Cluster's primaries have theirs), each
+    // reservation waits twice (`HGET`, `INCRBY` of the barrier, `WAIT`, which
+    // names no key), before its publish and before its answer.
+    let replicas_online = app.replicas_online(&sale).await;
     let looks = lines
         .iter()
         .filter(|l| l.contains("\"EVAL\"") && l.contains(":barrier\""))
@@ -351,10 +354,22 @@ async fn what_a_winning_reservation_costs_redis() {
     let (probes, other): (Vec<String>, Vec<String>) = other
         .into_iter()
         .partition(|l| l.contains("\"HGET\"") && l.contains(":buyers\""));
+    let (bumps, other): (Vec<String>, Vec<String>) = other
+        .into_iter()
+        .partition(|l| l.contains("\"INCRBY\"") && l.contains(":barrier\""));
+    let waits = if replicas_online {
+        2 * units as usize
+    } else {
+        0
+    };
     assert!(
-        (1..=seconds + CONCURRENCY).contains(&looks) && probes.len() == looks,
-        "{looks} looks at the replicas, {} probes, in {seconds} s",
-        probes.len()
+        (1..=seconds * usize::from(sale.shards) + CONCURRENCY).contains(&looks)
+            && probes.len() == looks + waits
+            && bumps.len() == waits,
+        "{looks} looks at the replicas, {} probes, {} barrier bumps in {seconds} s \
+         (replicas online: {replicas_online})",
+        probes.len(),
+        bumps.len()
     );
     let mut by_command: std::collections::BTreeMap<(&str, &str), usize> = Default::default();
     for r in &runs {
