@@ -117,7 +117,7 @@ impl AuditRepo {
         activity_id: Option<&str>,
         limit: u32,
     ) -> Result<Vec<Entry>, sqlx::Error> {
-        const COLUMNS: &str = "id, at, operator, CAST(via AS CHAR) AS via, action, activity_id, \
+        const COLUMNS: &str = "id, at, CAST(operator AS CHAR) AS operator, CAST(via AS CHAR) AS via, action, activity_id, \
                                request_id, client_request_id, request, status, code, summary, \
                                elapsed_ms";
         // Two statements, so that one activity's entries are read through

@@ -2,12 +2,36 @@
 //! arrives: identifiers and SKUs (in paths, tokens and Kafka messages) and whole
 //! numbers (in JSON bodies). The ground floor: it knows no other module.
 
-/// `[A-Za-z0-9_-]{1,64}`: activity ids and user ids.
+/// `[A-Za-z0-9_-]{1,64}`: activity ids (and operators' names in the config).
 pub fn is_valid_id(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 64
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// The longest user id, in bytes of UTF-8 (MySQL keeps ids in `VARBINARY(255)`).
+pub const USER_ID_MAX_BYTES: usize = 255;
+
+/// A user id as identity providers issue them (`auth0|…`, `google-oauth2|…`,
+/// e-mail addresses, UUIDs): 1 to 255 bytes of UTF-8 (a `&str` is UTF-8
+/// already) without control characters (C0, DEL, C1), which could forge lines
+/// in a log, nor bidirectional-text controls, which could make one id read as
+/// another on a page. Compared byte for byte everywhere: `a`, `A` and `a ` are
+/// three users.
+pub fn is_valid_user_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= USER_ID_MAX_BYTES
+        && !s.chars().any(|c| c.is_control() || is_bidi_control(c))
+}
+
+/// Unicode's bidirectional formatting characters (UAX #9): the marks, the
+/// embeddings and overrides, and the isolates.
+fn is_bidi_control(c: char) -> bool {
+    matches!(
+        c,
+        '\u{061C}' | '\u{200E}' | '\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}'
+    )
 }
 
 /// SKUs travel in URL paths: printable ASCII without `/`, 1 to 128 characters.
@@ -51,5 +75,42 @@ mod tests {
         assert!(!is_valid_id("a b"));
         assert!(!is_valid_id(&"a".repeat(65)));
         assert!(is_valid_id(&"a".repeat(64)));
+    }
+
+    #[test]
+    fn user_ids_as_providers_issue_them() {
+        for ok in [
+            "auth0|5f7c8ec7c33c6c004bbafe82",
+            "google-oauth2|104117843231219472000",
+            "ann@example.com",
+            "9b2f6c1e-7d1a-4c8e-9a55-0f1d2c3b4a59",
+            "a b",
+            "a ",
+            "Zoë",
+            "用户",
+            "x",
+        ] {
+            assert!(is_valid_user_id(ok), "{ok:?}");
+        }
+        assert!(is_valid_user_id(&"é".repeat(127)), "254 bytes");
+        assert!(!is_valid_user_id(&"é".repeat(128)), "256 bytes");
+        assert!(is_valid_user_id(&"a".repeat(255)));
+        assert!(!is_valid_user_id(&"a".repeat(256)));
+        for bad in [
+            "",
+            "a\nb",
+            "a\rb",
+            "a\u{0}",
+            "a\u{7f}",
+            "a\u{85}",
+            "a\u{9b}",
+            "a\tb",
+            "admin\u{202E}gpj",
+            "a\u{2066}b",
+            "a\u{200F}",
+            "a\u{061C}",
+        ] {
+            assert!(!is_valid_user_id(bad), "{bad:?}");
+        }
     }
 }

@@ -323,7 +323,7 @@ impl ActivityRepo {
             .await?;
         // A lapsed order keeps the purchase right spent; a failed one does not.
         let buyers: Vec<(String, String)> = sqlx::query_as(
-            "SELECT user_id, reservation_id FROM orders WHERE activity_id = ? AND status <> 'failed'",
+            "SELECT CAST(user_id AS CHAR), reservation_id FROM orders WHERE activity_id = ? AND status <> 'failed'",
         )
         .bind(id)
         .fetch_all(&mut *tx)

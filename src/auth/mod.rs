@@ -38,7 +38,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::Clock;
 use crate::config::AuthSettings;
 use crate::error::AppError;
-use crate::input::is_valid_id;
+use crate::input::is_valid_user_id;
 
 use jwks::RemoteKeys;
 use keys::{KeySet, ProviderKey};
@@ -64,7 +64,7 @@ pub struct User {
 /// returns them after checking everything a user token's check does.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerifiedClaims {
-    /// Who: a user id (1 to 64 characters of `A-Z a-z 0-9 _ -`).
+    /// Who: a user id (see [`crate::input::is_valid_user_id`]).
     pub sub: String,
     /// The token's `role` claim, when it is a string (`"operator"` for operators).
     pub role: Option<String>,
@@ -98,7 +98,7 @@ impl TokenClaims {
         let (Some(sub), Some(exp)) = (self.sub.as_deref(), self.exp) else {
             return Err(AppError::Unauthorized("token is malformed"));
         };
-        if !is_valid_id(sub) {
+        if !is_valid_user_id(sub) {
             return Err(AppError::Unauthorized(
                 "token subject is not a valid user id",
             ));
@@ -217,8 +217,10 @@ impl Auth {
             .hs256
             .as_ref()
             .context("HS256 user tokens are turned off (auth.hs256 = false)")?;
-        if !is_valid_id(user_id) {
-            anyhow::bail!("user id must be 1 to 64 characters of A-Z, a-z, 0-9, '_' or '-'");
+        if !is_valid_user_id(user_id) {
+            anyhow::bail!(
+                "a user id is 1 to 255 bytes of UTF-8 without control or bidirectional-text characters"
+            );
         }
         let exp = self
             .clock
@@ -576,7 +578,7 @@ mod tests {
         .expect("auth");
         let forged = other.issue("alice", 60).expect("issue");
         assert!(a.user(&bearer_of(&forged)).await.is_err());
-        assert!(a.issue("bad id", 60).is_err());
+        assert!(a.issue("bad\nid", 60).is_err());
         // Without an identity provider, other algorithms are refused outright.
         let rs = TestSigner::rsa().sign(&provider_claims("alice"));
         let err = a.user(&bearer_of(&rs)).await.expect_err("no provider");
@@ -819,10 +821,19 @@ mod tests {
             refused(rsa.sign(&claims), "no exp").await,
             "token has no expiry (exp)"
         );
-        claims = provider_claims("auth0|u3");
+        claims = provider_claims("auth0|u3\u{202E}");
         assert_eq!(
             refused(rsa.sign(&claims), "subject").await,
             "token subject is not a valid user id"
+        );
+        // The provider's own form of id is a user id.
+        claims = provider_claims("auth0|u3");
+        assert_eq!(
+            &*a.user(&bearer_of(&rsa.sign(&claims)))
+                .await
+                .expect("an Auth0 subject")
+                .id,
+            "auth0|u3"
         );
         // Expired beyond the leeway (30 s), and within it.
         claims = provider_claims("u4");

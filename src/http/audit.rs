@@ -171,7 +171,7 @@ pub async fn record(State(state): State<AppState>, req: Request, next: Next) -> 
 /// the action's answer goes out as it is.
 async fn write(state: &AppState, e: &NewEntry<'_>) {
     tracing::info!(
-        operator = %e.operator.name,
+        operator = ?e.operator.name,
         via = e.operator.via.as_str(),
         action = e.action,
         activity_id = e.activity_id.unwrap_or("-"),
@@ -183,7 +183,7 @@ async fn write(state: &AppState, e: &NewEntry<'_>) {
         tracing::error!(
             error = %err,
             at = %e.at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            operator = %e.operator.name,
+            operator = ?e.operator.name,
             via = e.operator.via.as_str(),
             action = e.action,
             activity_id = e.activity_id.unwrap_or("-"),

@@ -32,7 +32,7 @@ use super::repo::{Decision, Incoming};
 use super::stall::{StallWatch, Verdict};
 use super::writer::{OrderWriter, MAX_BACKOFF};
 use crate::config::{KafkaSettings, Settings};
-use crate::input::is_valid_id;
+use crate::input::{is_valid_id, is_valid_user_id};
 use crate::kafka::{self, GroupProbe, PartitionOffsets, Publisher, ReservationMessage};
 use crate::telemetry;
 
@@ -51,7 +51,7 @@ pub fn parse(payload: Option<&[u8]>) -> Result<Incoming, String> {
         serde_json::from_slice(bytes).map_err(|e| format!("invalid reservation message: {e}"))?;
     if !crate::stock::is_valid_reservation_id(&m.reservation_id)
         || !is_valid_id(&m.activity_id)
-        || !is_valid_id(&m.user_id)
+        || !is_valid_user_id(&m.user_id)
     {
         return Err("invalid identifier in reservation message".into());
     }

@@ -68,7 +68,8 @@ type OrderRow = (
     Option<DateTime<Utc>>,
 );
 
-const COLUMNS: &str = "id, reservation_id, activity_id, user_id, quantity, CAST(status AS CHAR), \
+const COLUMNS: &str =
+    "id, reservation_id, activity_id, CAST(user_id AS CHAR), quantity, CAST(status AS CHAR), \
                        created_at, expires_at, paid_at, cancelled_at";
 
 fn from_row(r: OrderRow) -> Result<Order, sqlx::Error> {
@@ -457,7 +458,7 @@ async fn existing_orders(
     known: &mut Known,
 ) -> Result<(), sqlx::Error> {
     let mut sql = format!(
-        "SELECT reservation_id, activity_id, user_id, status = 'failed' FROM orders WHERE reservation_id IN ({})",
+        "SELECT reservation_id, activity_id, CAST(user_id AS CHAR), status = 'failed' FROM orders WHERE reservation_id IN ({})",
         placeholders(batch.len())
     );
     let mut users_by_activity: HashMap<&str, Vec<&str>> = HashMap::new();

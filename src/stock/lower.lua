@@ -47,7 +47,8 @@ local pending = 0
 for _, rid in ipairs(redis.call("ZRANGE", KEYS[3], 0, -1)) do
   local detail = redis.call("HGET", KEYS[4], rid)
   if detail then
-    pending = pending + tonumber(string.match(detail, "|(%d+)"))
+    -- "user|units|fate", read from the end: a user id may hold "|%d" itself.
+    pending = pending + tonumber(string.match(detail, "|(%d+)|%a$") or string.match(detail, "|(%d+)$"))
   end
 end
 local owed = 0

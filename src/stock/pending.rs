@@ -62,14 +62,15 @@ pub struct PendingReservation {
     pub fate: Fate,
 }
 
-/// A reservation's details: "user|units|fate".
+/// A reservation's details: "user|units|fate", read from the right: a user id
+/// may hold `|` itself (`auth0|…`).
 /// Details written before fates existed ("user|units") read as pending.
 fn parse_detail(d: &str) -> Option<(String, u32, Fate)> {
     let (rest, fate) = match d.rsplit_once('|') {
         Some((rest, f)) if f.parse::<u32>().is_err() => (rest, Fate::parse(f)?),
         _ => (d, Fate::Pending),
     };
-    let (user, units) = rest.split_once('|')?;
+    let (user, units) = rest.rsplit_once('|')?;
     Some((user.to_owned(), units.parse::<u32>().ok()?, fate))
 }
 
@@ -236,6 +237,15 @@ mod tests {
         assert_eq!(
             parse_detail("carol|3"),
             Some(("carol".into(), 3, Fate::Pending))
+        );
+        // Identity providers' ids hold `|` themselves.
+        assert_eq!(
+            parse_detail("auth0|5f7c|1|p"),
+            Some(("auth0|5f7c".into(), 1, Fate::Pending))
+        );
+        assert_eq!(
+            parse_detail("a|2|b|3|a"),
+            Some(("a|2|b".into(), 3, Fate::Acknowledged))
         );
         assert_eq!(parse_detail("dave|x|p"), None);
         assert_eq!(parse_detail("erin|1|z"), None);

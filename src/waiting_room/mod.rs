@@ -1018,7 +1018,7 @@ async fn lost_joins(
 /// turns that ran out and the late joiners the journal recorded.
 async fn load_journal(pool: &MySqlPool, activity_id: &str) -> anyhow::Result<Vec<JournalRow>> {
     let mut rows: Vec<JournalRow> = sqlx::query_as(
-        "SELECT user_id, CAST(kind AS CHAR), CAST(COALESCE(joined_seq, 0) AS UNSIGNED) \
+        "SELECT CAST(user_id AS CHAR), CAST(kind AS CHAR), CAST(COALESCE(joined_seq, 0) AS UNSIGNED) \
          FROM waiting_room_journal WHERE activity_id = ?",
     )
     .bind(activity_id)
@@ -1026,7 +1026,8 @@ async fn load_journal(pool: &MySqlPool, activity_id: &str) -> anyhow::Result<Vec
     .await
     .context("reading the waiting room's journal")?;
     let buyers: Vec<String> = sqlx::query_scalar(
-        "SELECT DISTINCT holder FROM orders WHERE activity_id = ? AND holder IS NOT NULL",
+        "SELECT CAST(holder AS CHAR) FROM orders WHERE activity_id = ? AND holder IS NOT NULL \
+         GROUP BY holder",
     )
     .bind(activity_id)
     .fetch_all(pool)
@@ -1169,7 +1170,7 @@ pub async fn load_draw(
         return Ok(None);
     };
     let order: Vec<(String, u64)> = sqlx::query_as(
-        "SELECT user_id, joined_seq FROM waiting_room_entries WHERE activity_id = ? ORDER BY position",
+        "SELECT CAST(user_id AS CHAR), joined_seq FROM waiting_room_entries WHERE activity_id = ? ORDER BY position",
     )
     .bind(activity_id)
     .fetch_all(pool)

@@ -210,20 +210,22 @@ impl Probe {
     /// here. `Err` names who and how many.
     pub async fn room_outcomes(&self, places: &[(String, String)]) -> Result<(), String> {
         let pool = self.pool().await?;
-        let ordered: Result<Vec<(String,)>, String> =
-            sqlx::query_as("SELECT DISTINCT user_id FROM orders WHERE activity_id = ?")
-                .bind(&self.activity_id)
-                .fetch_all(&pool)
-                .await
-                .map_err(|e| e.to_string());
+        let ordered: Result<Vec<(String,)>, String> = sqlx::query_as(
+            "SELECT CAST(user_id AS CHAR) FROM orders WHERE activity_id = ? GROUP BY user_id",
+        )
+        .bind(&self.activity_id)
+        .fetch_all(&pool)
+        .await
+        .map_err(|e| e.to_string());
         // Who the draw placed (MySQL keeps them): tells a reader whether the
         // untold joined before the start or after.
-        let drawn: Result<Vec<(String,)>, String> =
-            sqlx::query_as("SELECT user_id FROM waiting_room_entries WHERE activity_id = ?")
-                .bind(&self.activity_id)
-                .fetch_all(&pool)
-                .await
-                .map_err(|e| e.to_string());
+        let drawn: Result<Vec<(String,)>, String> = sqlx::query_as(
+            "SELECT CAST(user_id AS CHAR) FROM waiting_room_entries WHERE activity_id = ?",
+        )
+        .bind(&self.activity_id)
+        .fetch_all(&pool)
+        .await
+        .map_err(|e| e.to_string());
         let ended: Result<i64, String> = sqlx::query_scalar(
             "SELECT CAST(ends_at <= NOW(3) AS SIGNED) FROM activities WHERE id = ?",
         )
@@ -345,7 +347,7 @@ impl Probe {
         .await
         .map_err(|e| e.to_string())?;
         let orders: Vec<(String, String, String, i64)> = sqlx::query_as(
-            "SELECT reservation_id, user_id, CAST(status AS CHAR), CAST(quantity AS SIGNED) \
+            "SELECT reservation_id, CAST(user_id AS CHAR), CAST(status AS CHAR), CAST(quantity AS SIGNED) \
              FROM orders WHERE activity_id = ?",
         )
         .bind(&self.activity_id)

@@ -100,7 +100,7 @@ fn screenshot_path(name: &str) -> PathBuf {
 /// The orders of the activity in MySQL: (user, order id, reservation id, status).
 async fn orders(app: &TestApp, activity_id: &str) -> Vec<(String, u64, String, String)> {
     sqlx::query_as(
-        "SELECT user_id, id, reservation_id, CAST(status AS CHAR) FROM orders \
+        "SELECT CAST(user_id AS CHAR), id, reservation_id, CAST(status AS CHAR) FROM orders \
          WHERE activity_id = ? ORDER BY user_id",
     )
     .bind(activity_id)

@@ -492,3 +492,94 @@ async fn a_redirecting_provider_is_a_failed_fetch() {
     assert_eq!(resp.status(), StatusCode::ACCEPTED);
     app.stop().await;
 }
+
+/// User ids as identity providers issue them (API v4): each id is a user of its
+/// own, compared byte for byte (`a`, `A`, `a ` and ` a`; `auth0|…` and
+/// `auth0_…`), from the `202` through Redis, the broker and the consumer to the
+/// order in MySQL and the reservation read back. Ids holding `|` followed by
+/// digits look like the separators of Redis's reservation details and must not
+/// be mistaken for them. Ids outside the rule are `401`, holding nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn providers_user_ids_are_users_byte_for_byte() {
+    let key = TestKey::rsa_a();
+    let idp = IdentityProvider::start(&[&key]).await;
+    let app = spawn_with(TestApp::builder().workers(), &idp).await;
+    let mut users: Vec<String> = [
+        "auth0|5f7c8ec7c33c6c004bbafe82",
+        "auth0_5f7c8ec7c33c6c004bbafe82",
+        "google-oauth2|104117843231219472000",
+        "ann@example.com",
+        "9b2f6c1e-7d1a-4c8e-9a55-0f1d2c3b4a59",
+        "a",
+        "A",
+        "a ",
+        " a",
+        "Zoë",
+        "用户|7|p",
+        "x|1|a",
+        "x|1",
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .collect();
+    users.push(format!("{}a", "é".repeat(127)));
+    assert_eq!(users.last().map(String::len), Some(255));
+    let sale = app.open_sale(users.len() as u32, 1).await;
+    let tokens: Vec<String> = users.iter().map(|u| key.token(u)).collect();
+
+    let first = reserve_all(&app, &sale.sku, &tokens).await;
+    let mut answers = Vec::new();
+    for (user, (status, body)) in users.iter().zip(&first) {
+        assert_eq!(*status, StatusCode::ACCEPTED, "{user:?}: {body}");
+        answers.push(testkit::invariants::Answer {
+            status: Some(status.as_u16()),
+            code: None,
+            reservation_id: body["reservation_id"].as_str().map(str::to_owned),
+        });
+    }
+    // Each holds its own reservation, and only that one.
+    for ((user, token), (_, body)) in users.iter().zip(&tokens).zip(&first) {
+        let again = app.reserve_as(&sale.sku, Caller::Token(token)).await;
+        let again = assert_error(again, StatusCode::CONFLICT, "already_reserved").await;
+        assert_eq!(again["reservation_id"], body["reservation_id"], "{user:?}");
+        let resp = app
+            .send(app.api.reservation(&sale.sku, Caller::Token(token)))
+            .await;
+        assert_eq!(resp.status(), StatusCode::OK, "{user:?}");
+        let state: Value = resp.json().await.expect("JSON");
+        assert_eq!(state["reservation_id"], body["reservation_id"], "{user:?}");
+    }
+    app.wait_for_orders(&sale.id, users.len() as i64).await;
+    let mut ordered: Vec<String> =
+        sqlx::query_scalar("SELECT CAST(user_id AS CHAR) FROM orders WHERE activity_id = ?")
+            .bind(&sale.id)
+            .fetch_all(&app.state.pool)
+            .await
+            .expect("orders");
+    ordered.sort();
+    users.sort();
+    assert_eq!(ordered, users, "one order per id, each id as it was sent");
+    let probe = app.probe(&sale);
+    probe.wait_quiet(WAIT).await.expect("quiet");
+    let figures = probe.check(&answers).await.expect("invariants hold");
+    assert_eq!(figures.accepted, users.len(), "{figures:?}");
+
+    // Outside the rule: empty, over 255 bytes, control and bidi characters.
+    let other = app.open_sale(10, 1).await;
+    for bad in [
+        String::new(),
+        "a".repeat(256),
+        "é".repeat(128),
+        "line\nforged".to_owned(),
+        "nul\u{0}".to_owned(),
+        "c1\u{85}".to_owned(),
+        "del\u{7f}".to_owned(),
+        "admin\u{202E}gpj.exe".to_owned(),
+        "iso\u{2067}late".to_owned(),
+    ] {
+        let message = refused(&app, &other.sku, &key.token(&bad), &format!("{bad:?}")).await;
+        assert!(message.contains("user id"), "{bad:?}: {message}");
+    }
+    assert_eq!(app.redis_stock(&other).await, Some(10), "nothing held");
+    app.stop().await;
+}

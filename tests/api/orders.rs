@@ -33,11 +33,12 @@ async fn seed_scenario_ends_as_ten_orders() {
     assert_eq!(counts.get("pending_payment"), Some(&10), "{counts:?}");
     assert_eq!(counts.values().sum::<i64>(), 10);
     assert_eq!(app.db_available(&sale.id).await, 0, "DB count is 0");
-    let users: Vec<(String,)> = sqlx::query_as("SELECT user_id FROM orders WHERE activity_id = ?")
-        .bind(&sale.id)
-        .fetch_all(&app.state.pool)
-        .await
-        .expect("users");
+    let users: Vec<(String,)> =
+        sqlx::query_as("SELECT CAST(user_id AS CHAR) FROM orders WHERE activity_id = ?")
+            .bind(&sale.id)
+            .fetch_all(&app.state.pool)
+            .await
+            .expect("users");
     let users: HashSet<String> = users.into_iter().map(|(u,)| u).collect();
     assert_eq!(users, winners, "the orders are the winners'");
     for user in &winners {
@@ -162,7 +163,7 @@ async fn redis_ahead_of_mysql_fails_the_excess() {
     let resp = app.reserve(&sale.sku, "late-buyer", None).await;
     assert_error(resp, StatusCode::CONFLICT, "sold_out").await;
     let failed: Vec<(String, bool)> = sqlx::query_as(
-        "SELECT user_id, units_returned FROM orders WHERE activity_id = ? AND status = 'failed'",
+        "SELECT CAST(user_id AS CHAR), units_returned FROM orders WHERE activity_id = ? AND status = 'failed'",
     )
     .bind(&sale.id)
     .fetch_all(&app.state.pool)
@@ -330,12 +331,13 @@ async fn payments_race_the_sweeper() {
         );
     }
     app.wait_for_orders(&id, 40).await;
-    let orders: Vec<(u64, String, chrono::DateTime<chrono::Utc>)> =
-        sqlx::query_as("SELECT id, user_id, expires_at FROM orders WHERE activity_id = ?")
-            .bind(&id)
-            .fetch_all(&app.state.pool)
-            .await
-            .expect("orders");
+    let orders: Vec<(u64, String, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
+        "SELECT id, CAST(user_id AS CHAR), expires_at FROM orders WHERE activity_id = ?",
+    )
+    .bind(&id)
+    .fetch_all(&app.state.pool)
+    .await
+    .expect("orders");
     // Start both sides just before the earliest deadline, so some payments land
     // before it and some after, while two sweepers run.
     let first_deadline = orders.iter().map(|o| o.2).min().expect("orders");
@@ -441,7 +443,7 @@ async fn units_came_back_for_the_cancelled_only(app: &TestApp, sale: &Sale, canc
 async fn poison_messages_go_to_the_dead_letter_topic() {
     let app = TestApp::builder().workers().spawn().await;
     let sale = app.open_sale(5, 1).await;
-    for payload in [&b"not json"[..], br#"{"reservation_id":"x"}"#, br#"{"reservation_id":"r","activity_id":"a","sku":"s","user_id":"bad id!","quantity":1,"reserved_at":"2026-01-01T00:00:00Z"}"#] {
+    for payload in [&b"not json"[..], br#"{"reservation_id":"x"}"#, br#"{"reservation_id":"r","activity_id":"a","sku":"s","user_id":"bad\nid","quantity":1,"reserved_at":"2026-01-01T00:00:00Z"}"#] {
         app.state
             .publisher
             .publish_raw(&app.settings.kafka.topic, Some(b"poison"), payload, "test")

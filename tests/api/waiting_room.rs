@@ -83,7 +83,7 @@ async fn users_are_drawn_admitted_as_the_stock_allows_and_told_sold_out_at_once(
 
     // Paid: nothing can come back, and every waiting user is told so.
     let orders: Vec<(u64, String)> =
-        sqlx::query_as("SELECT id, user_id FROM orders WHERE activity_id = ?")
+        sqlx::query_as("SELECT id, CAST(user_id AS CHAR) FROM orders WHERE activity_id = ?")
             .bind(&id)
             .fetch_all(&app.state.pool)
             .await
@@ -173,7 +173,7 @@ async fn the_draw_is_recorded_and_replays(
         .await
         .expect("the draw is recorded");
     let entries: Vec<(u32, String, u64)> = sqlx::query_as(
-        "SELECT position, user_id, joined_seq FROM waiting_room_entries \
+        "SELECT position, CAST(user_id AS CHAR), joined_seq FROM waiting_room_entries \
          WHERE activity_id = ? ORDER BY position",
     )
     .bind(id)
@@ -723,7 +723,7 @@ async fn a_room_told_sold_out_reopens_when_units_come_back() {
         StatusCode::ACCEPTED
     );
     let (order, _): (u64, String) = eventually(Duration::from_secs(15), "the order", || async {
-        sqlx::query_as("SELECT id, user_id FROM orders WHERE activity_id = ?")
+        sqlx::query_as("SELECT id, CAST(user_id AS CHAR) FROM orders WHERE activity_id = ?")
             .bind(&id)
             .fetch_optional(&app.state.pool)
             .await
@@ -985,7 +985,7 @@ async fn a_room_rebuilt_keeps_its_buyers_expired_turns_and_late_joiners() {
     // All three facts reach MySQL.
     eventually(Duration::from_secs(10), "the journal copied", || async {
         let facts: Vec<(String, String)> = sqlx::query_as(
-            "SELECT user_id, CAST(kind AS CHAR) FROM waiting_room_journal \
+            "SELECT CAST(user_id AS CHAR), CAST(kind AS CHAR) FROM waiting_room_journal \
              WHERE activity_id = ? AND kind IN ('late', 'reserved', 'expired')",
         )
         .bind(&id)

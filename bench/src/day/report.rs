@@ -93,11 +93,12 @@ pub async fn poll_costs(
     polls: usize,
 ) -> anyhow::Result<PollCosts> {
     let pool = sqlx::MySqlPool::connect(&dep.mysql_url).await?;
-    let winners: Vec<String> =
-        sqlx::query_scalar("SELECT user_id FROM orders WHERE activity_id = ? LIMIT 1000")
-            .bind(&sale.id)
-            .fetch_all(&pool)
-            .await?;
+    let winners: Vec<String> = sqlx::query_scalar(
+        "SELECT CAST(user_id AS CHAR) FROM orders WHERE activity_id = ? LIMIT 1000",
+    )
+    .bind(&sale.id)
+    .fetch_all(&pool)
+    .await?;
     let removed = || async {
         sqlx::query_scalar::<_, i64>(
             "SELECT CAST(redis_removing AS SIGNED) FROM activities WHERE id = ?",

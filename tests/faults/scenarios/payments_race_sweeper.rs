@@ -38,7 +38,7 @@ impl Fault for PaymentsRaceSweeper {
                 let mut tried = HashSet::new();
                 while !stop.load(Ordering::SeqCst) {
                     let rows: Vec<(u64, String)> = sqlx::query_as(
-                        "SELECT id, user_id FROM orders WHERE activity_id = ? AND status = 'pending_payment'",
+                        "SELECT id, CAST(user_id AS CHAR) FROM orders WHERE activity_id = ? AND status = 'pending_payment'",
                     )
                     .bind(&activity)
                     .fetch_all(&pool)
