@@ -179,7 +179,7 @@ pub async fn reserve(
         )));
     }
     if activity.paused {
-        return Err(count(AppError::Paused));
+        return Err(count(paused(&state, &activity, &user).await));
     }
     let waiting_room = activity.admission == Admission::WaitingRoom;
     if waiting_room {
@@ -282,6 +282,25 @@ async fn ran_out(state: &AppState, activity: &Activity, user: &User) -> AppResul
         tracing::warn!(error = %err, activity_id = %activity.id, "settling a turn failed");
     }
     Ok(AppError::AlreadyReserved { reservation_id })
+}
+
+/// The answer to a user while the sale is paused: `already_reserved` when they
+/// hold a reservation (a retry of a request whose answer was lost must learn
+/// what it holds: `503` says nothing is held), `paused` otherwise, and when
+/// Redis cannot say.
+async fn paused(state: &AppState, activity: &Activity, user: &User) -> AppError {
+    match state
+        .stock
+        .reservation_of(&activity.id, activity.stock_shards, &user.id)
+        .await
+    {
+        Ok(Some(reservation_id)) => AppError::AlreadyReserved { reservation_id },
+        Ok(None) => AppError::Paused,
+        Err(err) => {
+            tracing::debug!(error = %err, "the paused sale's buyers could not be read");
+            AppError::Paused
+        }
+    }
 }
 
 /// How long a user told `sold_out` by the waiting room waits before asking

@@ -92,12 +92,14 @@ if ARGV[5] and redis.call("GET", KEYS[7]) == ARGV[7]
   stock = redis.call("INCRBY", KEYS[1], ARGV[6])
   restock = redis.call("INCR", KEYS[8])
 end
-if state == "paused" then
-  return {-4, "", 0}
-end
+-- A buyer is told what they hold even while the sale is paused: a retry whose
+-- first answer was lost must learn of its reservation, not read "nothing held".
 local existing = redis.call("HGET", KEYS[2], ARGV[1])
 if existing then
   return {0, existing, 0}
+end
+if state == "paused" then
+  return {-4, "", 0}
 end
 local q = tonumber(ARGV[2])
 if tonumber(stock) < q then

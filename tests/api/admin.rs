@@ -440,3 +440,56 @@ async fn a_preload_held_between_snapshot_and_write(
     .await;
     preload
 }
+
+/// A buyer whose answer was lost retries while the sale is paused: they are told
+/// what they hold (`409 already_reserved`, with its id), never `503`, which says
+/// nothing is held; anyone else is told `paused`. Whether this instance knows of
+/// the pause (an operator's) or only Redis does (a pause by another instance,
+/// an automatic one).
+#[tokio::test]
+async fn a_buyer_retrying_during_a_pause_learns_what_they_hold() {
+    let app = spawn_app().await;
+    let sale = app.open_sale(5, 1).await;
+    let tell = |body: Value| body["reservation_id"].as_str().map(str::to_owned);
+    let held = tell(app.reserve_accepted(&sale.sku, "ann").await).expect("an id");
+
+    assert_eq!(app.pause(&sale.id).await.status(), StatusCode::OK);
+    let again = assert_error(
+        app.reserve(&sale.sku, "ann", None).await,
+        StatusCode::CONFLICT,
+        "already_reserved",
+    )
+    .await;
+    assert_eq!(tell(again), Some(held.clone()), "known to this instance");
+    assert_error(
+        app.reserve(&sale.sku, "bob", None).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "paused",
+    )
+    .await;
+
+    assert_eq!(app.resume(&sale.id).await.status(), StatusCode::OK);
+    let k = flashsale::stock::Keys::new(&sale.id);
+    let mut conn = app.state.stock.connection();
+    let _: () = redis::cmd("SET")
+        .arg(&k.state)
+        .arg("paused")
+        .query_async(&mut conn)
+        .await
+        .expect("pause in Redis only");
+    let again = assert_error(
+        app.reserve(&sale.sku, "ann", None).await,
+        StatusCode::CONFLICT,
+        "already_reserved",
+    )
+    .await;
+    assert_eq!(tell(again), Some(held), "known to Redis only");
+    assert_error(
+        app.reserve(&sale.sku, "bob", None).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "paused",
+    )
+    .await;
+    assert_eq!(app.redis_stock(&sale).await, Some(4), "bob holds nothing");
+    app.stop().await;
+}
