@@ -112,6 +112,12 @@ fn probes() -> Router<AppState> {
         .route("/metrics", get(ops::metrics))
 }
 
+/// Requests the operations listener serves at once; more are answered `503
+/// overloaded` at once. Its callers are an orchestrator and a few scrapers, so
+/// this is far above their need, and a flood at the port (a misconfigured
+/// scraper, a scan) cannot pile up tasks, each holding a check's connection.
+pub const OPS_MAX_IN_FLIGHT: usize = 32;
+
 /// The listener of `server.ops_addr`: the probes and nothing else (no API, no
 /// authenticated endpoint), for a port only the orchestrator and Prometheus reach.
 pub fn ops_router(state: AppState) -> Router {
@@ -119,6 +125,11 @@ pub fn ops_router(state: AppState) -> Router {
     let probes = probes()
         .fallback(|| async { AppError::not_found("no such endpoint") })
         .method_not_allowed_fallback(|| async { AppError::MethodNotAllowed });
+    let probes = limit(
+        probes,
+        OPS_MAX_IN_FLIGHT,
+        Duration::from_millis(settings.request_timeout_ms),
+    );
     observe(probes, settings).with_state(state)
 }
 
@@ -130,13 +141,26 @@ pub fn protect<S>(router: Router<S>, settings: &ServerSettings) -> Router<S>
 where
     S: Clone + Send + Sync + 'static,
 {
-    let in_flight = Arc::new(Semaphore::new(settings.max_concurrency));
+    limit(
+        router,
+        settings.max_concurrency,
+        Duration::from_millis(settings.request_timeout_ms),
+    )
+}
+
+/// At most `in_flight` requests at once over the whole router (more are shed,
+/// `503 overloaded`), each within `timeout`.
+fn limit<S>(router: Router<S>, in_flight: usize, timeout: Duration) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+{
+    let in_flight = Arc::new(Semaphore::new(in_flight));
     router.layer(
         ServiceBuilder::new()
             .layer(HandleErrorLayer::new(middleware::overloaded))
             .load_shed()
             .layer(GlobalConcurrencyLimitLayer::with_semaphore(in_flight))
-            .timeout(Duration::from_millis(settings.request_timeout_ms)),
+            .timeout(timeout),
     )
 }
 

@@ -81,15 +81,23 @@ pub async fn readyz(
     }
     let mut missing = Vec::new();
     let mut checks = serde_json::Map::new();
-    for dependency in Dependency::ALL {
-        // A dependency the role does not need is reported as last probed: a
-        // stale answer is not checked again inline (MySQL down must not slow
-        // an API instance's readiness).
-        let status = if optional.contains(&dependency) {
-            state.readiness.status(dependency, Instant::now())
-        } else {
-            state.readiness.current(dependency).await
-        };
+    // A dependency the role does not need is reported as last probed: a stale
+    // answer is not checked again inline (MySQL down must not slow an API
+    // instance's readiness). Stale ones that are needed are checked again
+    // together: the answer waits for the slowest check, not for their sum.
+    let statuses = futures::future::join_all(Dependency::ALL.map(|dependency| {
+        let readiness = &state.readiness;
+        let optional = optional.contains(&dependency);
+        async move {
+            if optional {
+                readiness.status(dependency, Instant::now())
+            } else {
+                readiness.current(dependency).await
+            }
+        }
+    }))
+    .await;
+    for (dependency, status) in Dependency::ALL.into_iter().zip(statuses) {
         checks.insert(dependency.name().into(), json!(status.label()));
         if status != Status::Ok && !optional.contains(&dependency) {
             missing.push(format!("{} {}", dependency.name(), status.label()));

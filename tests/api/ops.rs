@@ -688,3 +688,53 @@ fn counter(text: &str, name: &str) -> f64 {
         .filter_map(|rest| rest.trim().parse::<f64>().ok())
         .sum()
 }
+
+/// The operations listener serves a bounded number of requests at once
+/// (`OPS_MAX_IN_FLIGHT`): with Redis silent, scrapes of `/metrics` wait on its
+/// figures, and a flood of them beyond the bound is answered `503` at once
+/// instead of piling up behind the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flood_at_the_ops_listener_is_shed_beyond_its_bound() {
+    const SCRAPES: usize = 3 * flashsale::http::OPS_MAX_IN_FLIGHT;
+    let relay = Relay::start("127.0.0.1:6379").await;
+    let app = TestApp::builder()
+        .ops_listener()
+        .redis_via(&relay)
+        .redis_response_timeout_ms(10_000)
+        .spawn()
+        .await;
+    let ops = app
+        .api
+        .on(app.ops_address.clone().expect("an ops listener"));
+    let _sale = app.open_sale(5, 1).await;
+    // No scrape yet: the first one reads the sale's figures from Redis.
+    relay.hold();
+    let answers = futures::future::join_all((0..SCRAPES).map(|_| {
+        let request = ops.metrics();
+        async move {
+            let resp = request.send().await.expect("an answer");
+            let status = resp.status();
+            let body: Option<serde_json::Value> = resp.json().await.ok();
+            (status, body)
+        }
+    }))
+    .await;
+    relay.release();
+    let shed = answers
+        .iter()
+        .filter(|(status, body)| {
+            *status == StatusCode::SERVICE_UNAVAILABLE
+                && body.as_ref().is_some_and(|b| b["code"] == "unavailable")
+        })
+        .count();
+    let served = answers
+        .iter()
+        .filter(|(status, _)| *status == StatusCode::OK)
+        .count();
+    assert_eq!(shed + served, SCRAPES, "{answers:?}");
+    assert!(
+        shed >= SCRAPES - flashsale::http::OPS_MAX_IN_FLIGHT,
+        "{shed} of {SCRAPES} scrapes shed"
+    );
+    app.stop().await;
+}
