@@ -12,6 +12,7 @@
 # Usage:
 #   scripts/services.sh              # ensure all three services are up
 #   scripts/services.sh stop-kafka   # stop the tansu broker this script started
+#   scripts/services.sh check-kafka-fds  # fail if that broker holds a descriptor it inherited
 #
 # No Docker here on purpose: the dev/CI machine has no Docker engine and no
 # Apache Kafka package. See docker-compose.yml for users who do have Docker.
@@ -228,8 +229,12 @@ ensure_kafka() {
     # The listener is pinned to 127.0.0.1 (tansu's default is 0.0.0.0).
     # No `setsid -f`: without job control the background child is not a group
     # leader, so setsid (and nohup) exec in place and $! is tansu's own pid.
+    # Every descriptor above stderr is closed first: the broker outlives this
+    # script, and a pipe it inherited (a CI runner's, a `| tee`) would keep
+    # the reader of that pipe waiting for an end that never comes.
     (
         cd "$KAFKA_DIR"
+        close_inherited_fds
         setsid nohup "$tansu" broker \
             --listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
             --advertised-listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
@@ -255,6 +260,35 @@ ensure_kafka() {
         die "kafka broker failed to start"
     fi
     log "kafka: started tansu on 127.0.0.1:$KAFKA_PORT (pid $new_pid, data $KAFKA_DIR/tansu.db, log $KAFKA_LOG)"
+}
+
+# Closes this (sub)shell's descriptors above 2, so that what it starts inherits
+# only stdin, stdout and stderr.
+close_inherited_fds() {
+    local fd
+    for fd in /proc/self/fd/*; do
+        fd="${fd##*/}"
+        if [[ "$fd" =~ ^[0-9]+$ && "$fd" -gt 2 ]]; then
+            eval "exec $fd>&-" 2>/dev/null || true
+        fi
+    done
+}
+
+# Fails when the broker this script started holds a pipe or a terminal: a
+# descriptor it inherited rather than opened (its own are sockets and files).
+check_kafka_fds() {
+    [[ -f "$KAFKA_PID_FILE" ]] || { log "kafka: not started by this script; nothing to check"; return 0; }
+    local pid held
+    pid="$(cat "$KAFKA_PID_FILE")"
+    [[ -d "/proc/$pid/fd" ]] || die "tansu (pid $pid) is not running"
+    held="$(find "/proc/$pid/fd" -mindepth 1 -maxdepth 1 -printf '%f -> %l\n' 2>/dev/null \
+        | grep -E -- '-> (pipe:|/dev/pts/|/dev/tty)' || true)"
+    if [[ -n "$held" ]]; then
+        log "kafka: tansu (pid $pid) holds descriptors it inherited:" >&2
+        log "$held" >&2
+        return 1
+    fi
+    log "kafka: tansu (pid $pid) holds no inherited descriptor"
 }
 
 stop_kafka() {
@@ -293,6 +327,9 @@ case "${1:-up}" in
         ;;
     stop-kafka)
         stop_kafka
+        ;;
+    check-kafka-fds)
+        check_kafka_fds
         ;;
     -h | --help | help)
         usage
