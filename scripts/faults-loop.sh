@@ -8,8 +8,9 @@
 #
 # Each run's whole output is kept in .run/faults-loop/run-K.log; the summary
 # lists every run's closing line and, for a run that failed, its broken rows.
-# Services come from scripts/services.sh (started once, left running). Exits
-# non-zero when any run failed.
+# Services come from scripts/services.sh (started once, left running), and
+# faketime, which the suite runs skewed instances with, from scripts/tools.sh.
+# Exits non-zero when any run failed.
 set -euo pipefail
 cd "$(dirname -- "${BASH_SOURCE[0]}")/.."
 
@@ -17,6 +18,7 @@ runs="${1:-5}"
 [[ "$runs" =~ ^[1-9][0-9]*$ ]] || { echo "usage: $0 [runs]" >&2; exit 2; }
 
 scripts/services.sh
+scripts/tools.sh faketime
 out="$PWD/.run/faults-loop"
 mkdir -p "$out"
 # Every run clones into the same place and builds into a folder of the loop's

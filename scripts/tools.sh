@@ -13,8 +13,13 @@
 #                        Debian's package, without the engine it recommends:
 #                        `docker-compose config` needs none, and nothing here
 #                        starts a container
+#   faketime             the fault suite runs service instances under a skewed
+#                        clock with its library, libfaketime (Debian's faketime
+#                        package; `tests/faults/scenarios/clock_skewed.rs`)
 #
-# Idempotent; prints one line per tool.
+# Idempotent; prints one line per tool. With arguments, only the tools named:
+# promtool, python (the PyPI tools), chromium, docker-compose, faketime
+# (`scripts/tools.sh faketime`, as `scripts/faults-loop.sh` runs it).
 set -euo pipefail
 
 as_root() {
@@ -28,51 +33,94 @@ REPO_ROOT="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd -P)"
 # the tests must not start, stop or disable anything on the machine. A promtool
 # already on PATH is used as it is.
 TOOLS="$REPO_ROOT/.run/tools"
-if command -v promtool >/dev/null 2>&1; then
-    echo "tools: promtool $(promtool --version 2>&1 | head -1 | awk '{print $3}') present"
-elif [[ -x "$TOOLS/usr/bin/promtool" ]]; then
-    echo "tools: promtool $("$TOOLS/usr/bin/promtool" --version 2>&1 | head -1 | awk '{print $3}') present in .run/tools"
-else
-    echo "tools: unpacking promtool from Debian's prometheus package into .run/tools"
-    as_root apt-get update -qq
-    debs=$(mktemp -d)
-    chown _apt "$debs" 2>/dev/null || true  # apt downloads as _apt where it can
-    (cd "$debs" && apt-get download -qq prometheus)
-    mkdir -p "$TOOLS"
-    dpkg-deb -x "$debs"/prometheus_*.deb "$TOOLS"
-    rm -rf "$debs"
-    echo "tools: promtool $("$TOOLS/usr/bin/promtool" --version 2>&1 | head -1 | awk '{print $3}') unpacked"
-fi
+promtool_tool() {
+    if command -v promtool >/dev/null 2>&1; then
+        echo "tools: promtool $(promtool --version 2>&1 | head -1 | awk '{print $3}') present"
+    elif [[ -x "$TOOLS/usr/bin/promtool" ]]; then
+        echo "tools: promtool $("$TOOLS/usr/bin/promtool" --version 2>&1 | head -1 | awk '{print $3}') present in .run/tools"
+    else
+        echo "tools: unpacking promtool from Debian's prometheus package into .run/tools"
+        as_root apt-get update -qq
+        debs=$(mktemp -d)
+        chown _apt "$debs" 2>/dev/null || true  # apt downloads as _apt where it can
+        (cd "$debs" && apt-get download -qq prometheus)
+        mkdir -p "$TOOLS"
+        dpkg-deb -x "$debs"/prometheus_*.deb "$TOOLS"
+        rm -rf "$debs"
+        echo "tools: promtool $("$TOOLS/usr/bin/promtool" --version 2>&1 | head -1 | awk '{print $3}') unpacked"
+    fi
+}
+
 VENV="$REPO_ROOT/.run/tools-venv"
 PYTHON_TOOLS=(kubernetes-validate==1.37.0 schemathesis==4.32.5 openapi-spec-validator==0.9.0)
-for req in "${PYTHON_TOOLS[@]}"; do
-    name=${req%%==*} version=${req##*==}
-    installed="$("$VENV/bin/pip" show "$name" 2>/dev/null || true)"
-    if [[ "$installed" == *"Version: $version"* ]]; then
-        echo "tools: $name $version present"
+python_tools() {
+    for req in "${PYTHON_TOOLS[@]}"; do
+        name=${req%%==*} version=${req##*==}
+        installed="$("$VENV/bin/pip" show "$name" 2>/dev/null || true)"
+        if [[ "$installed" == *"Version: $version"* ]]; then
+            echo "tools: $name $version present"
+        else
+            echo "tools: installing $name $version into .run/tools-venv"
+            [[ -x "$VENV/bin/pip" ]] || python3 -m venv "$VENV"
+            "$VENV/bin/pip" install --quiet --disable-pip-version-check "$req"
+        fi
+    done
+}
+
+chromium_tool() {
+    if command -v chromedriver >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1; then
+        echo "tools: chromium and chromedriver present"
     else
-        echo "tools: installing $name $version into .run/tools-venv"
-        [[ -x "$VENV/bin/pip" ]] || python3 -m venv "$VENV"
-        "$VENV/bin/pip" install --quiet --disable-pip-version-check "$req"
+        echo "tools: installing chromium and chromedriver (Debian packages chromium, chromium-driver)"
+        as_root apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
+            chromium chromium-driver >/dev/null
+        echo "tools: $(chromedriver --version | head -1) installed"
     fi
+}
+
+docker_compose_tool() {
+    if command -v docker-compose >/dev/null 2>&1; then
+        echo "tools: docker-compose $(docker-compose version --short 2>/dev/null) present"
+    else
+        echo "tools: installing docker-compose (Debian package docker-compose, no engine)"
+        as_root apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
+            docker-compose >/dev/null
+        echo "tools: docker-compose $(docker-compose version --short) installed"
+    fi
+}
+
+# The package brings the `faketime` command and its library; the fault suite
+# preloads the library into the process it skews (the command would run the
+# service as its child, out of reach of the suite's kill and pause).
+faketime_version() {
+    faketime --version 2>&1 | awk '/Version/ {print $3}'
+}
+faketime_tool() {
+    if command -v faketime >/dev/null 2>&1; then
+        echo "tools: faketime $(faketime_version) present"
+    else
+        echo "tools: installing faketime (Debian package faketime)"
+        as_root apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
+            faketime >/dev/null
+        echo "tools: faketime $(faketime_version) installed"
+    fi
+}
+
+wanted=("$@")
+[[ ${#wanted[@]} -gt 0 ]] || wanted=(promtool python chromium docker-compose faketime)
+for tool in "${wanted[@]}"; do
+    case "$tool" in
+        promtool) promtool_tool ;;
+        python) python_tools ;;
+        chromium) chromium_tool ;;
+        docker-compose) docker_compose_tool ;;
+        faketime) faketime_tool ;;
+        *)
+            echo "tools: no tool $tool (promtool, python, chromium, docker-compose, faketime)" >&2
+            exit 2
+            ;;
+    esac
 done
-
-if command -v chromedriver >/dev/null 2>&1 && command -v chromium >/dev/null 2>&1; then
-    echo "tools: chromium and chromedriver present"
-else
-    echo "tools: installing chromium and chromedriver (Debian packages chromium, chromium-driver)"
-    as_root apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
-        chromium chromium-driver >/dev/null
-    echo "tools: $(chromedriver --version | head -1) installed"
-fi
-
-if command -v docker-compose >/dev/null 2>&1; then
-    echo "tools: docker-compose $(docker-compose version --short 2>/dev/null) present"
-else
-    echo "tools: installing docker-compose (Debian package docker-compose, no engine)"
-    as_root apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
-        docker-compose >/dev/null
-    echo "tools: docker-compose $(docker-compose version --short) installed"
-fi

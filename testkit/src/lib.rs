@@ -7,8 +7,9 @@
 //! - [`database`]: a test's own MySQL database, dropped when the test is done;
 //! - [`identity`]: an identity provider: test-only keys signing RS256/ES256
 //!   tokens, and a JWKS endpoint a test can rotate, break or stop;
-//! - [`process`]: real processes on loopback (the `flashsale` binary, and a Redis,
-//!   replica, MariaDB or broker of a test's own), killable, pausable, restartable;
+//! - [`process`]: real processes on loopback (the `flashsale` binary, its clock
+//!   skewed if asked, and a Redis, replica, MariaDB or broker of a test's own),
+//!   killable, pausable, restartable;
 //! - [`relay`]: a TCP relay a test can cut or point elsewhere (an outage, a
 //!   failover behind one address);
 //! - [`rng`]: a seeded generator, so a random schedule replays from its seed;

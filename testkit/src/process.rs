@@ -1,6 +1,7 @@
-//! Real processes on loopback: the `flashsale` binary, and a Redis (or a primary
-//! and its replica), MariaDB or tansu broker of a test's own, each on a free port
-//! with its data in a temporary folder, so a test may kill, pause or restart them.
+//! Real processes on loopback: the `flashsale` binary (with its own clock
+//! skewed, if a test asks), and a Redis (or a primary and its replica), MariaDB
+//! or tansu broker of a test's own, each on a free port with its data in a
+//! temporary folder, so a test may kill, pause or restart them.
 
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -672,7 +673,8 @@ impl Broker {
 }
 
 /// How to run one `flashsale` process: the binary, its config folder, and the
-/// settings as environment variables.
+/// settings as environment variables (a skewed clock among them:
+/// [`Env::skew_clock`]).
 #[derive(Clone, Debug)]
 pub struct Env {
     pub bin: PathBuf,
@@ -696,6 +698,48 @@ impl Env {
         self.vars.retain(|(k, _)| *k != key);
         self.vars.push((key, value.to_string()));
     }
+
+    /// The process's own wall clock `secs` seconds off the machine's (ahead
+    /// when positive), as `faketime -f +300s` would set it: Debian's
+    /// libfaketime preloaded with `FAKETIME`, the monotonic clock left alone
+    /// (`FAKETIME_DONT_FAKE_MONOTONIC`), so `SystemTime` moves while tokio's
+    /// timers keep their pace. The library goes into the process itself rather
+    /// than through the `faketime` command, which runs its program as a child
+    /// and waits for it: a kill, a stop or a pause would reach the command and
+    /// leave the service running. A library of the test kit's own goes first
+    /// (`src/cnd_timedwait.c`): without it, the Kafka client's timed waits
+    /// would last as long as the skew.
+    pub fn skew_clock(&mut self, secs: i64) {
+        self.set(
+            "LD_PRELOAD",
+            format!(
+                "{}:{}",
+                env!("FLASHSALE_CND_TIMEDWAIT_SO"),
+                faketime_library().display()
+            ),
+        );
+        self.set("FAKETIME", format!("{secs:+}"));
+        self.set("FAKETIME_DONT_FAKE_MONOTONIC", 1);
+    }
+}
+
+/// libfaketime where the `faketime` package puts it: in `faketime/` under
+/// the multiarch library folder on Debian (`/usr/lib/x86_64-linux-gnu/`), or
+/// under the prefix's `lib/` elsewhere.
+fn faketime_library() -> PathBuf {
+    for root in ["/usr/lib", "/usr/local/lib"] {
+        let mut folders = vec![PathBuf::from(root)];
+        if let Ok(entries) = std::fs::read_dir(root) {
+            folders.extend(entries.flatten().map(|e| e.path()));
+        }
+        for folder in folders {
+            let library = folder.join("faketime").join("libfaketime.so.1");
+            if library.is_file() {
+                return library;
+            }
+        }
+    }
+    panic!("libfaketime is not installed: run scripts/tools.sh faketime");
 }
 
 /// Runs `flashsale <args>` with `env`, its output in `log`.

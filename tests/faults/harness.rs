@@ -116,6 +116,9 @@ pub struct Setup {
     /// A primary, two replicas and three sentinels of its own instead of one node.
     pub redis_sentinel: bool,
     pub services: usize,
+    /// Each service's own clock, in seconds off the machine's, by instance
+    /// (`Env::skew_clock`; 0 or absent: its own).
+    pub clock_skew_secs: Vec<i64>,
     /// The consumer runs as its own `flashsale consume`, not inside `serve`.
     pub separate_consumer: bool,
     /// A second consumer group on the same topic: every message processed twice.
@@ -335,7 +338,8 @@ impl Run {
     }
 }
 
-fn base_settings() -> Settings {
+/// The settings the services start from (`config/`, `FLASHSALE_ENV=test`).
+pub fn base_settings() -> Settings {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
     Settings::load_from(&dir, "test").expect("config loads")
 }
@@ -638,8 +642,12 @@ impl Run {
     fn start_processes(&mut self, setup: &Setup) {
         for i in 0..setup.services.max(1) {
             let name = format!("service-{}", (b'a' + i as u8) as char);
+            let mut env = self.env.clone();
+            if let Some(&secs) = setup.clock_skew_secs.get(i).filter(|s| **s != 0) {
+                env.skew_clock(secs);
+            }
             self.services
-                .push(Service::start(&name, &self.env, self.dir.path()));
+                .push(Service::start(&name, &env, self.dir.path()));
         }
         if setup.separate_consumer {
             self.start_consumer();

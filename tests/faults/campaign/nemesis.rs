@@ -5,8 +5,8 @@
 //!
 //! Not in it yet: a Redis Cluster primary failover (a nine-node cluster per
 //! seed is too heavy for a short seed on two cores; `cluster_failover.rs`
-//! covers it) and a skewed clock on one instance (the service has no clock
-//! offset setting to skew it with).
+//! covers it) and a skewed clock on one instance (`clock_skewed.rs` covers it;
+//! a nemesis would restart an instance under `Env::skew_clock`).
 
 use std::time::{Duration, Instant};
 

@@ -2,6 +2,7 @@
 
 mod broker_killed;
 mod broker_stalled;
+mod clock_skewed;
 mod cluster_failover;
 mod consumer_down;
 mod consumer_killed;
@@ -38,6 +39,7 @@ pub fn all() -> Vec<Arc<dyn Fault>> {
         Arc::new(payments_race_sweeper::PaymentsRaceSweeper),
         Arc::new(two_instances::TwoInstances),
         Arc::new(three_instances::ThreeInstances),
+        Arc::new(clock_skewed::ClockSkewed),
         Arc::new(script_cache_flushed::ScriptCacheFlushed),
         Arc::new(broker_stalled::BrokerStalled),
         Arc::new(consumer_down::ConsumerDown),
