@@ -81,14 +81,20 @@ impl Stocking {
             return Ok(Preload::Open);
         }
         // Only an activity that was loaded before can have messages in the topic.
-        // If Redis lost it (whole or some shards), publishes still on their way are
-        // waited out first, as the automatic rebuild does: their reservations are
-        // gone with the state, and only the topic will hold them, which the
-        // rebuild writes as orders before it reads MySQL. Over a loaded (paused)
-        // state no wait is needed: the rebuild withdraws every reservation not yet
-        // acknowledged before it reads MySQL, so a late acknowledgement finds it
-        // withdrawn and its message makes no order.
-        if activity.redis_epoch > 0 && !loaded {
+        // If Redis lost it (whole or some shards), or holds an older build than
+        // the last one written (a failover to a replica that missed the writes
+        // since: the reservations made in the newer state are not in it),
+        // publishes still on their way are waited out first, as the automatic
+        // rebuild does: their reservations are gone with the state, and only the
+        // topic will hold them, which the rebuild writes as orders before it
+        // reads MySQL. Over a loaded (paused) state that is current no wait is
+        // needed: the rebuild withdraws every reservation not yet acknowledged
+        // before it reads MySQL, so a late acknowledgement finds it withdrawn and
+        // its message makes no order.
+        let stale = live
+            .epoch
+            .is_some_and(|epoch| epoch < activity.redis_built_epoch);
+        if activity.redis_epoch > 0 && (!loaded || stale) {
             self.reconciler.wait_published(id).await;
         }
         let mut report = crate::reconcile::Report::default();

@@ -275,6 +275,28 @@ fn app_behind(relay: &Relay) -> TestAppBuilder {
 /// message makes, and a new buyer's `202`, which MySQL then refuses).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_preload_waits_out_the_publishes_in_flight() {
+    a_preload_while_a_publish_is_in_flight(Lost::Whole).await;
+}
+
+/// The same over a state still loaded but older than the last build written:
+/// Redis failed over to a replica that missed that build and what followed
+/// it, the reservation in flight among them. Paused by an operator, the sale
+/// may be preloaded: the build cannot withdraw what the state does not hold,
+/// so it must wait the publish out as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_preload_over_an_older_build_waits_out_the_publishes_in_flight() {
+    a_preload_while_a_publish_is_in_flight(Lost::ToAnOlderBuild).await;
+}
+
+/// How Redis lost the reservation in flight.
+enum Lost {
+    /// Every key of the sale.
+    Whole,
+    /// To a replica holding the build before the last (no buyer, every unit).
+    ToAnOlderBuild,
+}
+
+async fn a_preload_while_a_publish_is_in_flight(lost: Lost) {
     let relay = Relay::start("127.0.0.1:6379").await;
     // Every message waits 1.5 s in the producer before it is sent.
     let app = app_behind(&relay)
@@ -283,6 +305,12 @@ async fn a_preload_waits_out_the_publishes_in_flight() {
         .spawn()
         .await;
     let sale = app.open_sale(2, 1).await;
+    if let Lost::ToAnOlderBuild = lost {
+        // A second build, so that a replica can still hold the first.
+        assert_eq!(app.pause(&sale.id).await.status(), StatusCode::OK);
+        assert_eq!(app.preload(&sale.id).await.status(), StatusCode::OK);
+        assert_eq!(app.resume(&sale.id).await.status(), StatusCode::OK);
+    }
     let reserve = |user: &str| {
         let request = app.api.reserve(&sale.sku, Caller::User(user));
         async move { Answer::from_response(request.send().await).await }
@@ -296,11 +324,31 @@ async fn a_preload_waits_out_the_publishes_in_flight() {
     .await;
     let k = flashsale::stock::Keys::new(&sale.id);
     let mut conn = app.state.stock.connection();
-    let _: () = redis::pipe()
-        .del(&[&k.stock, &k.state, &k.buyers, &k.pending, &k.res])
-        .query_async(&mut conn)
-        .await
-        .expect("Redis loses the sale");
+    match lost {
+        Lost::Whole => {
+            let _: () = redis::pipe()
+                .del(&[&k.stock, &k.state, &k.buyers, &k.pending, &k.res])
+                .query_async(&mut conn)
+                .await
+                .expect("Redis loses the sale");
+        }
+        Lost::ToAnOlderBuild => {
+            let built: u32 = redis::cmd("GET")
+                .arg(&k.epoch)
+                .query_async(&mut conn)
+                .await
+                .expect("the build in Redis");
+            let _: () = redis::pipe()
+                .del(&[&k.buyers, &k.pending, &k.res])
+                .set(&k.stock, 2)
+                .set(&k.epoch, built - 1)
+                .query_async(&mut conn)
+                .await
+                .expect("Redis goes back a build");
+            // Loaded and open: an operator pauses before preloading.
+            assert_eq!(app.pause(&sale.id).await.status(), StatusCode::OK);
+        }
+    }
     // While its message is acknowledged (1.5 s after it was sent to the
     // producer), the service's Redis requests wait: the consumer writes the
     // order before the request can ask MySQL for a withdrawal.
@@ -316,6 +364,9 @@ async fn a_preload_waits_out_the_publishes_in_flight() {
             (app.preload(&sale.id).await.status() == StatusCode::OK).then_some(())
         })
         .await;
+        if let Lost::ToAnOlderBuild = lost {
+            assert_eq!(app.resume(&sale.id).await.status(), StatusCode::OK);
+        }
         // Two new buyers as soon as it is built.
         let a = tokio::spawn(reserve("next-1"));
         let b = tokio::spawn(reserve("next-2"));
