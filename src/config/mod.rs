@@ -201,6 +201,16 @@ pub struct KafkaSettings {
     /// librdkafka's `debug` contexts (e.g. "consumer,cgrp"); empty for none.
     #[serde(default)]
     pub client_debug: String,
+    /// librdkafka's `queue.buffering.max.messages`: the most messages the
+    /// producer holds unacknowledged, every sale's together. A publish that
+    /// finds it full is refused at once: never sent, its units returned, `503`.
+    #[serde(default = "default_queue_max_messages")]
+    pub queue_max_messages: u32,
+}
+
+/// librdkafka's own default for `queue.buffering.max.messages`.
+fn default_queue_max_messages() -> u32 {
+    100_000
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -43,6 +43,12 @@ pub enum PublishError {
     Timeout(Duration),
 }
 
+/// How long past the publish timeout a delivery report may still come before
+/// the publish is given up as unknown: below the rebuild's grace (500 ms), so
+/// that every publish of a lost state has been acknowledged, has failed, or is
+/// being withdrawn by its request when a rebuild reads the topic.
+pub const REPORT_GRACE: Duration = Duration::from_millis(250);
+
 impl PublishError {
     /// Whether the message certainly never left this process (it could not be
     /// encoded, or the client refused it before sending). Any other failure,
@@ -86,6 +92,10 @@ fn create_producer(settings: &KafkaSettings) -> anyhow::Result<FutureProducer> {
         .set("enable.idempotence", settings.idempotence.to_string())
         .set("acks", "all")
         .set("linger.ms", settings.linger_ms.to_string())
+        .set(
+            "queue.buffering.max.messages",
+            settings.queue_max_messages.to_string(),
+        )
         .set("batch.size", settings.batch_bytes.to_string())
         .set(
             "max.in.flight.requests.per.connection",
@@ -187,16 +197,29 @@ impl Publisher {
         if let Some(headers) = trace::current_headers() {
             record = record.headers(headers);
         }
-        // librdkafka reports within message.timeout.ms; the outer bound only guards
-        // against a report that never comes.
+        // Enqueued at once or not at all. Waiting for room in a full queue would
+        // start `message.timeout.ms` (counted from the enqueue) late: a publish
+        // could then be acknowledged up to twice the publish timeout after its
+        // reservation, after a rebuild that waited one timeout (and its grace)
+        // has read the topic. A full queue is `QueueFull`: never sent, the units
+        // are returned and the client is told `503`.
         let producer = self.current();
-        let send = producer.send(record, Timeout::After(self.timeout));
-        let result = match tokio::time::timeout(self.timeout * 2, send).await {
+        let send = producer.send(record, Timeout::After(Duration::ZERO));
+        // librdkafka reports within message.timeout.ms (its scan for timed-out
+        // messages runs once a second, so a failure may be reported later):
+        // past the timeout and a short grace the publish is given up as unknown,
+        // and its request settles it through MySQL, before any rebuild reads the
+        // topic (`PUBLISH_GRACE`, 500 ms after the timeout).
+        let bound = self.timeout + REPORT_GRACE;
+        let result = match tokio::time::timeout(bound, send).await {
             Ok(Ok(_delivery)) => Ok(()),
             Ok(Err((err, _msg))) => Err(PublishError::Delivery(err)),
-            Err(_) => Err(PublishError::Timeout(self.timeout * 2)),
+            Err(_) => Err(PublishError::Timeout(bound)),
         };
-        if result.is_err() {
+        // A message refused before it was sent (a full queue above all) says
+        // nothing of the producer's health: replacing it would only drop its
+        // connections, and the messages in them.
+        if matches!(&result, Err(e) if !e.never_sent()) {
             self.replace_after_failure();
         }
         let outcome = if result.is_ok() { "ok" } else { "error" };

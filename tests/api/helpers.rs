@@ -209,6 +209,12 @@ impl TestAppBuilder {
     }
 
     /// How long every message waits in the producer before it is sent.
+    /// The most messages the producer holds unacknowledged.
+    pub fn producer_queue_messages(mut self, messages: u32) -> Self {
+        self.settings.kafka.queue_max_messages = messages;
+        self
+    }
+
     pub fn linger_ms(mut self, ms: u64) -> Self {
         self.settings.kafka.linger_ms = ms;
         self

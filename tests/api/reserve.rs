@@ -8,8 +8,8 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 
 use crate::helpers::{
-    assert_error, eventually, read_topic, script_calls, spawn_app, unique, words, OwnBroker,
-    TestApp, WAIT,
+    assert_error, eventually, read_topic, script_calls, spawn_app, unique, words, Caller,
+    OwnBroker, TestApp, WAIT,
 };
 
 /// The seed's test: 100 users click twice, 200 concurrent requests for 10 units.
@@ -402,4 +402,55 @@ async fn what_a_winning_reservation_costs_redis() {
         CONFIRM_A_BATCH * batches,
         "{by_command:?}"
     );
+}
+
+/// The producer's queue is full (one message, held 2 s by the linger): a
+/// reservation that finds it so is refused at once (`503`, its unit back), and
+/// never enqueued later. Enqueued when room came, its message could be
+/// acknowledged up to twice the publish timeout after the reservation, later
+/// than a rebuild after a Redis loss waits (the publish timeout and 0.5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_producer_queue_refuses_at_once() {
+    let app = TestApp::builder()
+        .workers()
+        .producer_queue_messages(1)
+        .linger_ms(2_000)
+        .publish_timeout_ms(2_500)
+        .spawn()
+        .await;
+    let sale = app.open_sale(5, 1).await;
+    let timed = |user: &'static str| {
+        let request = app.api.reserve(&sale.sku, Caller::User(user));
+        async move {
+            let started = std::time::Instant::now();
+            let answer = testkit::invariants::Answer::from_response(request.send().await).await;
+            (answer, started.elapsed())
+        }
+    };
+    let (a, b) = tokio::join!(timed("one"), timed("two"));
+    let answers = [a, b];
+    let refused: Vec<_> = answers
+        .iter()
+        .filter(|(a, _)| a.status == Some(503))
+        .collect();
+    let accepted: Vec<_> = answers
+        .iter()
+        .filter(|(a, _)| a.status == Some(202))
+        .collect();
+    assert_eq!((refused.len(), accepted.len()), (1, 1), "{answers:?}");
+    assert!(
+        refused[0].1 < Duration::from_millis(1_000),
+        "refused at once, not when the queue had room: {answers:?}"
+    );
+    assert_eq!(
+        app.redis_stock(&sale).await,
+        Some(4),
+        "the refused unit came back"
+    );
+    let answers: Vec<_> = answers.into_iter().map(|(a, _)| a).collect();
+    let probe = app.probe(&sale);
+    probe.wait_quiet(WAIT).await.expect("quiet");
+    let figures = probe.check(&answers).await.expect("invariants hold");
+    assert_eq!(figures.accepted, 1, "{figures:?}");
+    app.stop().await;
 }
