@@ -571,8 +571,12 @@ impl WaitingRoom {
             return Ok(());
         }
         let left = left.max(0);
-        let over =
-            now >= a.ends_at || (left == 0 && snap.pending == 0 && self.unpaid(a).await? == 0);
+        let all_sold = left == 0 && snap.pending == 0 && self.unpaid(a).await? == 0;
+        // The time again, after the draw, the snapshot and MySQL: a draw of a
+        // large room takes seconds, and turns given from the tick's time would
+        // be shorter by as much (and run out early).
+        let now = self.stock.clock().now();
+        let over = now >= a.ends_at || all_sold;
         let turn = Duration::from_secs(self.settings.turn_secs);
         let until = now + chrono::Duration::from_std(turn).unwrap_or_default();
         let (_, _, _, gen, admitted, left_line, closed, run_id): AdmitReply = self
