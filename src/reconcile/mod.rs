@@ -156,6 +156,28 @@ pub struct Reconciler {
 }
 
 impl Reconciler {
+    /// Lifts `activity`'s automatic pause (read by the caller) when Redis, read
+    /// now, after that pause was read, holds the activity whole and current
+    /// (no older build than the last recorded), and opens the live switch. A
+    /// loss seen since the pause was read keeps it.
+    pub(crate) async fn lift_if_whole(&self, activity: &Activity) -> anyhow::Result<bool> {
+        let again = self
+            .stock
+            .snapshot(&activity.id, activity.stock_shards)
+            .await?;
+        let current = again.loaded()
+            && again
+                .epoch
+                .is_some_and(|epoch| epoch >= activity.redis_built_epoch);
+        if current && self.activities.auto_resume(&activity.id).await? {
+            self.stock
+                .set_paused(&activity.id, activity.stock_shards, false)
+                .await?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
     pub fn new(
         activities: ActivityRepo,
         orders: OrderRepo,
@@ -278,19 +300,8 @@ impl Reconciler {
             // whose own resume failed (MySQL refused it after Redis was written).
             // Redis is looked at once more, after that pause was read, so a loss
             // since then keeps it; then both switches open, as after a rebuild.
-            let again = self
-                .stock
-                .snapshot(&activity.id, activity.stock_shards)
-                .await?;
-            let current = again.loaded()
-                && again
-                    .epoch
-                    .is_some_and(|epoch| epoch >= fresh.redis_built_epoch);
-            if current && self.activities.auto_resume(&activity.id).await? {
+            if self.lift_if_whole(&fresh).await? {
                 report.resumed = true;
-                self.stock
-                    .set_paused(&activity.id, activity.stock_shards, false)
-                    .await?;
                 tracing::warn!(activity_id = %activity.id, "the activity is whole in Redis again; resumed it");
             }
         }

@@ -197,7 +197,7 @@ impl Reconciler {
             ));
             return Ok(());
         }
-        match self.rebuild(activity, mode, report).await? {
+        let removed = match self.rebuild(activity, mode, report).await? {
             Rebuild::Waiting(why) => {
                 report.rebuild_waiting = true;
                 report.refused.push(format!("rebuild {why}"));
@@ -207,12 +207,21 @@ impl Reconciler {
                 report.rebuilt = true;
                 tracing::warn!(activity_id = %activity.id, available = build.available, buyers = build.buyers.len(), "activity rebuilt from MySQL");
                 metrics::counter!("flashsale_activity_rebuilt_total").increment(1);
+                false
             }
-            Rebuild::AlreadyLoaded | Rebuild::Removed => {}
-        }
+            Rebuild::AlreadyLoaded => false,
+            Rebuild::Removed => true,
+        };
         let fresh = self.reread(&activity.id).await?;
-        if fresh.auto_paused || !fresh.paused {
+        if fresh.auto_paused && removed {
+            // Past its retention: nothing is built again, nothing to wait for.
             report.resumed = self.activities.auto_resume(&activity.id).await?;
+        } else if fresh.auto_paused {
+            // Lifted once Redis, read after the pause was read, holds the sale
+            // whole and current, whoever built it: a loss seen since (of the
+            // state just written) keeps its pause for the build that repairs it.
+            report.resumed = self.lift_if_whole(&fresh).await?;
+        } else if !fresh.paused {
             // Whoever built the state, it should now be open.
             self.stock
                 .set_paused(&activity.id, activity.stock_shards, false)
@@ -324,10 +333,13 @@ impl Reconciler {
             // Read again at once now that the build is recorded: an automatic
             // pause that landed since `activity` was read (an instance that
             // looked at Redis before this build wrote it) is lifted here, not
-            // left to nobody. A pause taken later carries this build's epoch.
+            // left to nobody, once Redis, read after that pause, holds this
+            // build (or a later one) whole. A pause for a loss of the state just
+            // written (a second loss within milliseconds) finds it lost, and
+            // stays for the build that repairs it.
             let now = self.reread(&activity.id).await?;
             if !build.paused && now.auto_paused {
-                self.activities.auto_resume(&activity.id).await?;
+                self.lift_if_whole(&now).await?;
             }
             // The build is written whatever happens here: a unit not returned
             // now is missing from Redis, which the drift repair finds and adds.

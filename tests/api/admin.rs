@@ -544,3 +544,105 @@ async fn a_buyer_retrying_during_a_pause_learns_what_they_hold() {
     assert_eq!(app.redis_stock(&sale).await, Some(4), "bob holds nothing");
     app.stop().await;
 }
+
+/// Redis loses the sale again just after a build wrote it, before the build is
+/// recorded, and another instance sees that second loss (and pauses the sale
+/// for it, or finds it paused for the first already). The build repaired the
+/// first loss only: it must not lift the pause, which the build that repairs
+/// the second lifts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_loss_keeps_a_pause_taken_for_it() {
+    a_second_loss_keeps_its_pause(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_loss_keeps_a_pause_it_sees_already_taken() {
+    a_second_loss_keeps_its_pause(true).await;
+}
+
+async fn a_second_loss_keeps_its_pause(paused_for_the_first: bool) {
+    let redis = Relay::start("127.0.0.1:6379").await;
+    let mysql = Relay::start("127.0.0.1:3306").await;
+    // `other` reaches Redis and MySQL directly; `app` through the relays.
+    let other = TestApp::builder().publish_timeout_ms(500).spawn().await;
+    let app = TestApp::builder()
+        .database_of(&other)
+        .kafka_of(&other)
+        .redis_via(&redis)
+        .mysql_via(&mysql)
+        .redis_response_timeout_ms(5_000)
+        .spawn()
+        .await;
+    let sale = app.open_sale(3, 1).await;
+    let k = flashsale::stock::Keys::new(&sale.id);
+    let conn = other.state.stock.connection();
+    let lose = |conn: flashsale::stock::RedisConn| {
+        let k = flashsale::stock::Keys::new(&sale.id);
+        async move {
+            let mut conn = conn;
+            let _: () = redis::pipe()
+                .del(&[&k.stock, &k.state, &k.buyers, &k.pending, &k.res])
+                .query_async(&mut conn)
+                .await
+                .expect("Redis loses the sale");
+        }
+    };
+    lose(conn.clone()).await;
+    if paused_for_the_first {
+        // Paused for the first loss by an instance that saw it.
+        assert!(other
+            .state
+            .activities
+            .auto_pause(&sale.id, 1)
+            .await
+            .expect("a pause"));
+    }
+    // An operator's preload takes its MySQL snapshot; its Redis write waits in
+    // the relay, then its record of the build waits in the other.
+    let preload = a_preload_held_between_snapshot_and_write(&app, &redis, &sale).await;
+    mysql.hold();
+    redis.release();
+    eventually(WAIT, "the build written", || {
+        let mut conn = conn.clone();
+        let epoch = k.epoch.clone();
+        async move {
+            let e: Option<u32> = redis::cmd("GET")
+                .arg(&epoch)
+                .query_async(&mut conn)
+                .await
+                .ok()?;
+            e.filter(|e| *e >= 2).map(|_| ())
+        }
+    })
+    .await;
+    lose(conn.clone()).await;
+    let seen = other
+        .state
+        .reconciler
+        .reconcile(&sale.id)
+        .await
+        .expect("a pass");
+    assert_eq!(seen.paused_automatically, !paused_for_the_first, "{seen:?}");
+    mysql.release();
+    assert_eq!(preload.await.expect("preload").status(), StatusCode::OK);
+    let now = other
+        .state
+        .activities
+        .get(&sale.id)
+        .await
+        .expect("a query")
+        .expect("the sale");
+    assert!(
+        now.paused && now.auto_paused,
+        "the pause for the second loss stands: {now:?}"
+    );
+    // The build that repairs the second loss lifts it.
+    eventually(WAIT, "rebuilt and resumed", || async {
+        other.state.reconciler.reconcile(&sale.id).await.ok()?;
+        let a = other.state.activities.get(&sale.id).await.ok()??;
+        (!a.paused && other.redis_snapshot(&sale).await.loaded()).then_some(())
+    })
+    .await;
+    other.stop().await;
+    app.stop().await;
+}

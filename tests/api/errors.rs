@@ -50,7 +50,7 @@ async fn bad_tokens_get_401() {
         ("garbage.not.jwt".to_owned(), None),
         (sign(&secret, json!({"sub": "u1"})), None),
         (
-            sign(&secret, json!({"sub": "not a valid id!", "exp": exp})),
+            sign(&secret, json!({"sub": "not a valid\nid", "exp": exp})),
             None,
         ),
     ];
