@@ -22,7 +22,6 @@ use subtle::{Choice, ConstantTimeEq};
 use crate::auth::{bearer, Auth};
 use crate::config::{AuthSettings, SHARED_TOKEN_NAME};
 use crate::error::AppError;
-use crate::input::is_valid_user_id;
 
 /// The `role` claim that makes a JWT an operator's.
 pub const OPERATOR_ROLE: &str = "operator";
@@ -104,7 +103,7 @@ impl Operators {
                 "this token carries no operator role (role: \"operator\")",
             ));
         }
-        if !is_valid_user_id(&claims.sub) {
+        if !auth.user_ids().accepts(&claims.sub) {
             return Err(AppError::Unauthorized(
                 "the operator token's subject is not a valid name",
             ));

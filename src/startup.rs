@@ -20,7 +20,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::activity::{ActivityCache, ActivityRepo};
 use crate::audit::AuditRepo;
-use crate::auth::Auth;
+use crate::auth::{Auth, UserIds};
 use crate::config::{MysqlSettings, RedisSettings, ReplicasAcked, ServerSettings, Settings};
 use crate::http::{self, RateLimiters};
 use crate::kafka::{self, Publisher};
@@ -168,6 +168,53 @@ impl Services {
 /// How long a start waits for its first reading of the shared clock.
 const FIRST_SAMPLE_WITHIN: Duration = Duration::from_secs(2);
 
+/// How often an instance that found MySQL's user-id columns narrow looks again.
+const USER_ID_COLUMNS_EVERY: Duration = Duration::from_secs(30);
+
+/// Whether MySQL's user-id columns hold providers' ids (the migration
+/// `20261210000002_user_ids_as_bytes` applied): from the start, or, when they
+/// do not yet, from the first look that finds them widened (every
+/// [`USER_ID_COLUMNS_EVERY`], in the background). Until then only ids of the
+/// narrow form are accepted (`auth::UserIds`).
+async fn user_ids(pool: &MySqlPool) -> UserIds {
+    let ids = UserIds::narrow();
+    if user_id_columns_widened(pool).await {
+        ids.widen();
+        return ids;
+    }
+    tracing::warn!("MySQL's user-id columns are not widened yet (run `flashsale migrate` once every instance runs this release): only user ids of [A-Za-z0-9_-]{{1,64}} are accepted until then");
+    let (pool, watched) = (pool.clone(), ids.clone());
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(USER_ID_COLUMNS_EVERY).await;
+            if user_id_columns_widened(&pool).await {
+                watched.widen();
+                tracing::info!(
+                    "MySQL's user-id columns are widened: providers' user ids are accepted"
+                );
+                return;
+            }
+        }
+    });
+    ids
+}
+
+async fn user_id_columns_widened(pool: &MySqlPool) -> bool {
+    let found: Result<Option<String>, sqlx::Error> = sqlx::query_scalar(
+        "SELECT CAST(DATA_TYPE AS CHAR) FROM information_schema.COLUMNS \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'orders' AND COLUMN_NAME = 'user_id'",
+    )
+    .fetch_optional(pool)
+    .await;
+    match found {
+        Ok(kind) => kind.is_some_and(|k| k.eq_ignore_ascii_case("varbinary")),
+        Err(err) => {
+            tracing::warn!(error = %err, "could not look at MySQL's user-id columns");
+            false
+        }
+    }
+}
+
 /// The API's listener and, when `server.ops_addr` is set, the operations one.
 async fn bind_listeners(
     settings: &ServerSettings,
@@ -202,7 +249,10 @@ impl Application {
         let publisher = Publisher::new(&settings.kafka)?;
         create_topics(&settings).await?;
         let cache = services.loaded_cache().await?;
-        let auth = Auth::from_settings(&settings.auth)?.with_clock(services.stock.clock().clone());
+        let user_ids = user_ids(&services.pool).await;
+        let auth = Auth::from_settings(&settings.auth)?
+            .with_clock(services.stock.clock().clone())
+            .with_user_ids(user_ids);
         let operators = Operators::from_settings(&settings.auth)?;
         let (listener, ops_listener) = bind_listeners(&settings.server).await?;
         let port = listener.local_addr().context("no local address")?.port();

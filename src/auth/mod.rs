@@ -23,6 +23,7 @@ mod jwks;
 mod keys;
 mod verified;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::Clock;
 use crate::config::AuthSettings;
 use crate::error::AppError;
-use crate::input::is_valid_user_id;
+use crate::input::{is_valid_id, is_valid_user_id};
 
 use jwks::RemoteKeys;
 use keys::{KeySet, ProviderKey};
@@ -94,16 +95,54 @@ struct TokenClaims {
 impl TokenClaims {
     /// The subject, which must be a user id, and the expiry (both required by
     /// the checks already made).
-    fn subject(&self) -> Result<(&str, i64), AppError> {
+    fn subject(&self, ids: &UserIds) -> Result<(&str, i64), AppError> {
         let (Some(sub), Some(exp)) = (self.sub.as_deref(), self.exp) else {
             return Err(AppError::Unauthorized("token is malformed"));
         };
-        if !is_valid_user_id(sub) {
+        if !ids.accepts(sub) {
             return Err(AppError::Unauthorized(
                 "token subject is not a valid user id",
             ));
         }
         Ok((sub, exp as i64))
+    }
+}
+
+/// Which user ids a token's subject may be. Providers' ids (up to 255 bytes,
+/// [`is_valid_user_id`]) need the migration that widened MySQL's columns
+/// (`20261210000002_user_ids_as_bytes`): until an instance has seen it applied,
+/// it accepts only ids the narrow columns hold (`[A-Za-z0-9_-]{1,64}`), so an
+/// upgrade can roll out first and migrate after, while instances of the
+/// release before, which cannot read the widened columns, are gone.
+#[derive(Clone)]
+pub struct UserIds(Arc<AtomicBool>);
+
+impl UserIds {
+    /// Providers' ids are accepted from now on.
+    pub fn widen(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    pub fn wide(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Only ids of the narrow form, until [`UserIds::widen`].
+    pub fn narrow() -> Self {
+        UserIds(Arc::new(AtomicBool::new(false)))
+    }
+
+    /// Providers' ids accepted at once (a process without MySQL to look at).
+    pub fn wide_from_the_start() -> Self {
+        UserIds(Arc::new(AtomicBool::new(true)))
+    }
+
+    pub fn accepts(&self, id: &str) -> bool {
+        if self.wide() {
+            is_valid_user_id(id)
+        } else {
+            is_valid_id(id)
+        }
     }
 }
 
@@ -119,6 +158,9 @@ pub struct Auth {
     /// What `exp` and `nbf` are judged against: the shared clock in the
     /// service (see `crate::clock`), this process's own elsewhere.
     clock: Clock,
+    /// The subjects accepted (all of providers' ids, unless the service found
+    /// MySQL's columns not widened yet).
+    user_ids: UserIds,
 }
 
 struct Hs256 {
@@ -173,6 +215,7 @@ impl Auth {
             verified,
             leeway: settings.leeway_secs,
             clock: Clock::local(),
+            user_ids: UserIds::wide_from_the_start(),
         })
     }
 
@@ -194,7 +237,19 @@ impl Auth {
             verified: Arc::new(Verified::new(0)),
             leeway: DEFAULT_LEEWAY_SECS,
             clock: Clock::local(),
+            user_ids: UserIds::wide_from_the_start(),
         })
+    }
+
+    /// Accepts the subjects `ids` says (the service's: narrow until MySQL's
+    /// columns are seen widened).
+    pub fn with_user_ids(mut self, ids: UserIds) -> Self {
+        self.user_ids = ids;
+        self
+    }
+
+    pub fn user_ids(&self) -> &UserIds {
+        &self.user_ids
     }
 
     /// Judges `exp` and `nbf` by `clock` (the service's: the shared one).
@@ -256,7 +311,7 @@ impl Auth {
         // Read before any key is: a key withdrawn meanwhile bumps it.
         let generation = self.verified.generation();
         let claims = self.verify(token, Signers::Any).await?;
-        let (sub, exp) = claims.subject()?;
+        let (sub, exp) = claims.subject(&self.user_ids)?;
         let user = User { id: sub.into() };
         self.verified.put(token, &user, exp, generation);
         Ok(user)
@@ -269,7 +324,7 @@ impl Auth {
     /// service's own secret signs users, never roles. `401` on any failure.
     pub async fn verify_claims(&self, token: &str) -> Result<VerifiedClaims, AppError> {
         let claims = self.verify(token, Signers::Provider).await?;
-        let (sub, exp) = claims.subject()?;
+        let (sub, exp) = claims.subject(&self.user_ids)?;
         let text =
             |v: &Option<serde_json::Value>| v.as_ref().and_then(|v| v.as_str()).map(str::to_owned);
         Ok(VerifiedClaims {

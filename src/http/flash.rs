@@ -287,8 +287,12 @@ async fn ran_out(state: &AppState, activity: &Activity, user: &User) -> AppResul
 /// The answer to a user while the sale is paused: `already_reserved` when they
 /// hold a reservation (a retry of a request whose answer was lost must learn
 /// what it holds: `503` says nothing is held), `paused` otherwise, and when
-/// Redis cannot say.
+/// Redis cannot say. Not asked during an automatic pause: Redis lost the sale
+/// or holds an older build of it, whose buyers say nothing true.
 async fn paused(state: &AppState, activity: &Activity, user: &User) -> AppError {
+    if activity.auto_paused {
+        return AppError::Paused;
+    }
     match state
         .stock
         .reservation_of(&activity.id, activity.stock_shards, &user.id)

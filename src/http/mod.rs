@@ -120,16 +120,21 @@ pub const OPS_MAX_IN_FLIGHT: usize = 32;
 
 /// The listener of `server.ops_addr`: the probes and nothing else (no API, no
 /// authenticated endpoint), for a port only the orchestrator and Prometheus reach.
+/// Liveness stays outside the bound: it costs nothing, and an orchestrator
+/// whose probe was shed would restart an instance that is alive.
 pub fn ops_router(state: AppState) -> Router {
     let settings = &state.settings.server;
-    let probes = probes()
+    let bounded = Router::new()
+        .route("/readyz", get(ops::readyz))
+        .route("/metrics", get(ops::metrics))
         .fallback(|| async { AppError::not_found("no such endpoint") })
         .method_not_allowed_fallback(|| async { AppError::MethodNotAllowed });
     let probes = limit(
-        probes,
+        bounded,
         OPS_MAX_IN_FLIGHT,
         Duration::from_millis(settings.request_timeout_ms),
-    );
+    )
+    .route("/healthz", get(ops::healthz));
     observe(probes, settings).with_state(state)
 }
 

@@ -583,3 +583,46 @@ async fn providers_user_ids_are_users_byte_for_byte() {
     assert_eq!(app.redis_stock(&other).await, Some(10), "nothing held");
     app.stop().await;
 }
+
+/// An instance that finds MySQL's user-id columns not widened yet (the release
+/// rolled out, `flashsale migrate` not run) accepts only ids the narrow
+/// columns hold: a provider's id is `401`, holding nothing, rather than a
+/// `202` whose order MySQL could not write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn providers_ids_wait_for_the_widened_columns() {
+    let key = TestKey::rsa_a();
+    let idp = IdentityProvider::start(&[&key]).await;
+    let migrated = spawn_with(TestApp::builder(), &idp).await;
+    let sale = migrated.open_sale(5, 1).await;
+    // The columns as the release before left them.
+    sqlx::query(
+        "ALTER TABLE orders \
+         MODIFY user_id VARCHAR(64) CHARACTER SET latin1 COLLATE latin1_general_cs NOT NULL, \
+         MODIFY holder VARCHAR(64) CHARACTER SET latin1 COLLATE latin1_general_cs \
+         AS (IF(status = 'failed', NULL, user_id)) STORED",
+    )
+    .execute(&migrated.state.pool)
+    .await
+    .expect("the columns narrowed");
+    let narrow = spawn_with(TestApp::builder().database_of(&migrated), &idp).await;
+    let message = refused(&narrow, &sale.sku, &key.token("auth0|abc"), "narrow").await;
+    assert!(message.contains("user id"), "{message}");
+    assert_eq!(
+        narrow
+            .reserve_as(&sale.sku, Caller::Token(&key.token("plain_id-1")))
+            .await
+            .status(),
+        StatusCode::ACCEPTED,
+        "an id of the narrow form"
+    );
+    // The instance started on the widened columns accepts it.
+    assert_eq!(
+        migrated
+            .reserve_as(&sale.sku, Caller::Token(&key.token("auth0|abc")))
+            .await
+            .status(),
+        StatusCode::ACCEPTED
+    );
+    narrow.stop().await;
+    migrated.stop().await;
+}

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use reqwest::StatusCode;
 
-use crate::helpers::{assert_error, eventually, spawn_app, Caller, Relay, TestApp};
+use crate::helpers::{assert_error, eventually, spawn_app, Caller, Relay, TestApp, WAIT};
 
 #[tokio::test]
 async fn health_readiness_and_metrics() {
@@ -692,7 +692,7 @@ fn counter(text: &str, name: &str) -> f64 {
 /// The operations listener serves a bounded number of requests at once
 /// (`OPS_MAX_IN_FLIGHT`): with Redis silent, scrapes of `/metrics` wait on its
 /// figures, and a flood of them beyond the bound is answered `503` at once
-/// instead of piling up behind the first.
+/// instead of piling up behind the first; `/healthz` answers all the while.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_flood_at_the_ops_listener_is_shed_beyond_its_bound() {
     const SCRAPES: usize = 3 * flashsale::http::OPS_MAX_IN_FLIGHT;
@@ -709,17 +709,32 @@ async fn a_flood_at_the_ops_listener_is_shed_beyond_its_bound() {
     let _sale = app.open_sale(5, 1).await;
     // No scrape yet: the first one reads the sale's figures from Redis.
     relay.hold();
-    let answers = futures::future::join_all((0..SCRAPES).map(|_| {
+    let refused = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let flood = futures::future::join_all((0..SCRAPES).map(|_| {
         let request = ops.metrics();
+        let refused = refused.clone();
         async move {
             let resp = request.send().await.expect("an answer");
             let status = resp.status();
+            if status == StatusCode::SERVICE_UNAVAILABLE {
+                refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
             let body: Option<serde_json::Value> = resp.json().await.ok();
             (status, body)
         }
-    }))
-    .await;
+    }));
+    // While the bound is full (some scrapes already shed, the first ones still
+    // waiting on Redis), liveness still answers: it is outside the bound.
+    let alive = async {
+        eventually(WAIT, "a scrape shed", || async {
+            (refused.load(std::sync::atomic::Ordering::SeqCst) > 0).then_some(())
+        })
+        .await;
+        app.send(ops.healthz()).await.status()
+    };
+    let (answers, alive) = tokio::join!(flood, alive);
     relay.release();
+    assert_eq!(alive, StatusCode::OK, "liveness while the bound is full");
     let shed = answers
         .iter()
         .filter(|(status, body)| {
