@@ -25,6 +25,8 @@ pub enum Preload {
     /// The sale ended longer ago than `redis.retain_after_end_secs`: its Redis
     /// state was removed, or is about to be, and it is never loaded again.
     Removed,
+    /// Another build of the sale is under way, on this instance or another.
+    Busy,
 }
 
 /// Why a preload could not be tried or finished.
@@ -97,12 +99,21 @@ impl Stocking {
         if activity.redis_epoch > 0 && (!loaded || stale) {
             self.reconciler.wait_published(id).await;
         }
+        let Some(lock) = self
+            .activities
+            .build_lock(id, std::time::Duration::ZERO)
+            .await
+            .map_err(|e| PreloadError::Rebuild(e.into()))?
+        else {
+            return Ok(Preload::Busy);
+        };
         let mut report = crate::reconcile::Report::default();
         let rebuilt = self
             .reconciler
             .rebuild(activity, PreloadMode::Force, &mut report)
-            .await
-            .map_err(PreloadError::Rebuild)?;
+            .await;
+        lock.release().await;
+        let rebuilt = rebuilt.map_err(PreloadError::Rebuild)?;
         Ok(match rebuilt {
             Rebuild::Built(build) => {
                 tracing::info!(activity_id = %id, stock = build.available, buyers = build.buyers.len(), epoch = build.epoch, "activity preloaded");

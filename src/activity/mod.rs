@@ -10,4 +10,4 @@ pub use definition::{
     Activity, Admission, Build, NewActivity, ValidActivity, Window, MAX_PAYMENT_TIMEOUT_SECS,
     MAX_STOCK, MAX_STOCK_SHARDS, MAX_WAITING_ROOM_SECS,
 };
-pub use repo::{ActivityRepo, CreateError, TopUpError};
+pub use repo::{ActivityRepo, BuildLock, CreateError, TopUpError};

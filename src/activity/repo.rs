@@ -40,12 +40,66 @@ pub enum CreateError {
     Db(#[from] sqlx::Error),
 }
 
+/// A sale's build lock, MySQL's `GET_LOCK`: its name is server-wide, so the
+/// database's name goes into it, hashed (a name holds at most 64 characters).
+const BUILD_LOCK_NAME: &str = "SHA1(CONCAT(DATABASE(), '/build/', ?))";
+
+/// One sale's build lock ([`ActivityRepo::build_lock`]), held on a connection
+/// of its own: released by [`BuildLock::release`], or by closing that
+/// connection (when this is dropped, or the instance dies), never returned to
+/// the pool while held.
+pub struct BuildLock {
+    conn: Option<sqlx::pool::PoolConnection<sqlx::MySql>>,
+    id: String,
+}
+
+impl BuildLock {
+    pub async fn release(mut self) {
+        if let Some(mut conn) = self.conn.take() {
+            // Whatever this answers, the connection is closed when dropped.
+            if let Err(err) = sqlx::query(&format!("SELECT RELEASE_LOCK({BUILD_LOCK_NAME})"))
+                .bind(&self.id)
+                .execute(&mut *conn)
+                .await
+            {
+                tracing::debug!(error = %err, activity_id = %self.id, "releasing the build lock failed; closing its connection frees it");
+            }
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct ActivityRepo {
     pool: MySqlPool,
 }
 
 impl ActivityRepo {
+    /// Takes the sale's build lock: one build of its Redis state at a time over
+    /// every instance, and no resume in the middle of one. Waits up to `wait`
+    /// (whole seconds; zero: not at all); `None` if another holds it still.
+    pub async fn build_lock(
+        &self,
+        id: &str,
+        wait: std::time::Duration,
+    ) -> Result<Option<BuildLock>, sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        // Before the lock is asked for: a call cancelled half-way closes the
+        // connection, which frees the lock, rather than pool a connection
+        // holding it.
+        conn.close_on_drop();
+        let got: Option<i64> = sqlx::query_scalar(&format!(
+            "SELECT CAST(GET_LOCK({BUILD_LOCK_NAME}, ?) AS SIGNED)"
+        ))
+        .bind(id)
+        .bind(wait.as_secs())
+        .fetch_one(&mut *conn)
+        .await?;
+        Ok((got == Some(1)).then(|| BuildLock {
+            conn: Some(conn),
+            id: id.to_owned(),
+        }))
+    }
+
     pub fn new(pool: MySqlPool) -> Self {
         ActivityRepo { pool }
     }

@@ -131,12 +131,28 @@ pub async fn preload(
                 "the sale reopened while it was being preloaded: pause it and retry".into(),
             ))
         }
+        Preload::Busy => {
+            return Err(AppError::Unavailable(
+                "another rebuild of the sale is under way; retry shortly",
+            ))
+        }
     };
     refresh_cache(&state).await;
     Ok(Json(Preloaded {
         stock: build.available,
         buyers: build.buyers.len(),
     }))
+}
+
+/// MySQL first (a preload reads the flag from there), then the live switch.
+/// Whether Redis holds the sale.
+async fn switch(state: &AppState, id: &str, shards: u8, paused: bool) -> AppResult<bool> {
+    state.activities.set_paused(id, paused).await?;
+    state
+        .stock
+        .set_paused(id, shards, paused)
+        .await
+        .map_err(redis_down)
 }
 
 /// A reconciler failure: Redis unreachable is a 503, anything else a 500.
@@ -152,15 +168,36 @@ fn reconcile_error(e: anyhow::Error) -> AppError {
     }
 }
 
+/// How long a resume waits for a build of the sale under way.
+const RESUME_WAITS_FOR_BUILD: std::time::Duration = std::time::Duration::from_secs(3);
+
 async fn set_paused(state: &AppState, id: &str, paused: bool) -> AppResult<Json<Activity>> {
     let activity = load(state, id).await?;
-    state.activities.set_paused(id, paused).await?;
-    // MySQL first: a preload reads the flag from there. Then the live switch.
-    let loaded = state
-        .stock
-        .set_paused(id, activity.stock_shards, paused)
-        .await
-        .map_err(redis_down)?;
+    // A resume waits for a build of the sale under way (on any instance):
+    // reopened in the middle of a forced build, the shards it has not reached
+    // yet would be left alone, and the sale split between two states. A pause
+    // never waits: a build ends by setting the switch as MySQL then says.
+    let lock = if paused {
+        None
+    } else {
+        match state
+            .activities
+            .build_lock(id, RESUME_WAITS_FOR_BUILD)
+            .await?
+        {
+            Some(lock) => Some(lock),
+            None => {
+                return Err(AppError::Unavailable(
+                    "a rebuild of the sale is under way; retry shortly",
+                ))
+            }
+        }
+    };
+    let switched = switch(state, id, activity.stock_shards, paused).await;
+    if let Some(lock) = lock {
+        lock.release().await;
+    }
+    let loaded = switched?;
     if !loaded {
         tracing::warn!(activity_id = %id, "activity is not loaded in Redis; only MySQL was updated");
     }

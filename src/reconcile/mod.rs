@@ -300,9 +300,18 @@ impl Reconciler {
             // whose own resume failed (MySQL refused it after Redis was written).
             // Redis is looked at once more, after that pause was read, so a loss
             // since then keeps it; then both switches open, as after a rebuild.
-            if self.lift_if_whole(&fresh).await? {
-                report.resumed = true;
-                tracing::warn!(activity_id = %activity.id, "the activity is whole in Redis again; resumed it");
+            // Under the build lock: a build elsewhere may be between two shards.
+            if let Some(lock) = self
+                .activities
+                .build_lock(&activity.id, Duration::ZERO)
+                .await?
+            {
+                let lifted = self.lift_if_whole(&fresh).await;
+                lock.release().await;
+                if lifted? {
+                    report.resumed = true;
+                    tracing::warn!(activity_id = %activity.id, "the activity is whole in Redis again; resumed it");
+                }
             }
         }
         self.decide_expired(activity, &mut report).await?;

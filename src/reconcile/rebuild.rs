@@ -197,6 +197,33 @@ impl Reconciler {
             ));
             return Ok(());
         }
+        // One build of a sale at a time over every instance (their reconcilers
+        // see a loss within milliseconds of each other), and no resume in the
+        // middle of one: two forced builds would split the shards between two
+        // snapshots, or write an older build over a newer one.
+        let Some(lock) = self
+            .activities
+            .build_lock(&activity.id, Duration::ZERO)
+            .await?
+        else {
+            report.rebuild_waiting = true;
+            report
+                .refused
+                .push("rebuild waits: another build of the sale is under way".into());
+            return Ok(());
+        };
+        let done = self.rebuild_and_resume(activity, mode, report).await;
+        lock.release().await;
+        done
+    }
+
+    /// The build and the resume after it; the caller holds the build lock.
+    async fn rebuild_and_resume(
+        &self,
+        activity: &Activity,
+        mode: PreloadMode,
+        report: &mut Report,
+    ) -> anyhow::Result<()> {
         let removed = match self.rebuild(activity, mode, report).await? {
             Rebuild::Waiting(why) => {
                 report.rebuild_waiting = true;
@@ -231,7 +258,8 @@ impl Reconciler {
     }
 
     /// (Re)builds an activity's Redis state from MySQL, the one way both the
-    /// automatic recovery and the operator's preload do it:
+    /// automatic recovery and the operator's preload do it, the caller holding
+    /// the sale's build lock (`ActivityRepo::build_lock`):
     /// - an activity that was ever loaded may have messages in the queue whose
     ///   orders MySQL does not hold yet; they are written as orders first
     ///   (`settle_in_flight`), whatever the consumers' backlog. The caller waited
@@ -281,10 +309,16 @@ impl Reconciler {
         }
         let built = self.replace_state(&fresh, mode).await;
         if mode == PreloadMode::Force && !matches!(built, Ok(Rebuild::Built(_))) {
-            // Put the switch back as MySQL has it.
+            // Put the switch back as MySQL has it now, not as it was at the
+            // start: an operator's pause may have landed meanwhile (a resume
+            // waits for the build lock the caller holds).
+            let paused = match self.reread(&activity.id).await {
+                Ok(now) => now.paused,
+                Err(_) => fresh.paused,
+            };
             if let Err(err) = self
                 .stock
-                .set_paused(&activity.id, activity.stock_shards, fresh.paused)
+                .set_paused(&activity.id, activity.stock_shards, paused)
                 .await
             {
                 tracing::warn!(error = %err, activity_id = %activity.id, "could not restore the live switch");

@@ -646,3 +646,97 @@ async fn a_second_loss_keeps_its_pause(paused_for_the_first: bool) {
     other.stop().await;
     app.stop().await;
 }
+
+/// Two instances preload one split sale at once: one build at a time (the
+/// second is refused, `503`, while the first runs), and Redis ends holding the
+/// build MySQL last recorded on every shard, never an older one written over a
+/// newer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_preloads_of_one_sale_do_not_interleave() {
+    let relay = Relay::start("127.0.0.1:6379").await;
+    let other = TestApp::builder().spawn().await;
+    let app = app_behind(&relay)
+        .database_of(&other)
+        .kafka_of(&other)
+        .spawn()
+        .await;
+    let sale = app
+        .open_sale_spec(&testkit::sale::SaleSpec {
+            stock_shards: 2,
+            ..testkit::sale::SaleSpec::new(4)
+        })
+        .await;
+    assert_eq!(app.pause(&sale.id).await.status(), StatusCode::OK);
+    let first = a_preload_held_between_snapshot_and_write(&app, &relay, &sale).await;
+    let second = other.preload(&sale.id).await.status();
+    relay.release();
+    assert_eq!(first.await.expect("preload").status(), StatusCode::OK);
+    assert_eq!(
+        second,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "refused while the first build runs"
+    );
+    every_shard_holds_the_last_build(&other, &sale, "paused").await;
+    app.stop().await;
+    other.stop().await;
+}
+
+/// An operator resumes a split sale while a forced rebuild of it is between
+/// its snapshot and its writes: the resume waits for the build, and the sale
+/// ends whole (the same build on every shard) and open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resume_waits_for_a_forced_rebuild() {
+    let relay = Relay::start("127.0.0.1:6379").await;
+    let other = TestApp::builder().spawn().await;
+    let app = app_behind(&relay)
+        .database_of(&other)
+        .kafka_of(&other)
+        .spawn()
+        .await;
+    let sale = app
+        .open_sale_spec(&testkit::sale::SaleSpec {
+            stock_shards: 2,
+            ..testkit::sale::SaleSpec::new(4)
+        })
+        .await;
+    assert_eq!(app.pause(&sale.id).await.status(), StatusCode::OK);
+    let preload = a_preload_held_between_snapshot_and_write(&app, &relay, &sale).await;
+    let resume = tokio::spawn({
+        let request = other.api.resume(&sale.id);
+        async move { request.send().await.expect("an answer").status() }
+    });
+    // The build stays held in the relay for as long as this takes.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!resume.is_finished(), "the resume waits for the build");
+    relay.release();
+    assert_eq!(preload.await.expect("preload").status(), StatusCode::OK);
+    assert_eq!(resume.await.expect("resume"), StatusCode::OK);
+    every_shard_holds_the_last_build(&other, &sale, "open").await;
+    app.stop().await;
+    other.stop().await;
+}
+
+async fn every_shard_holds_the_last_build(app: &TestApp, sale: &Sale, state: &str) {
+    let built = app
+        .state
+        .activities
+        .get(&sale.id)
+        .await
+        .expect("a query")
+        .expect("the sale")
+        .redis_built_epoch;
+    let mut conn = app.state.stock.connection();
+    for (i, k) in flashsale::stock::Keys::all(&sale.id, sale.shards)
+        .iter()
+        .enumerate()
+    {
+        let (epoch, s): (Option<u32>, Option<String>) = redis::pipe()
+            .get(&k.epoch)
+            .get(&k.state)
+            .query_async(&mut conn)
+            .await
+            .expect("Redis answers");
+        assert_eq!(epoch, Some(built), "shard {i}");
+        assert_eq!(s.as_deref(), Some(state), "shard {i}");
+    }
+}
