@@ -308,10 +308,11 @@ impl Reconciler {
                 .await?;
         }
         let built = self.replace_state(&fresh, mode).await;
-        if mode == PreloadMode::Force && !matches!(built, Ok(Rebuild::Built(_))) {
-            // Put the switch back as MySQL has it now, not as it was at the
-            // start: an operator's pause may have landed meanwhile (a resume
-            // waits for the build lock the caller holds).
+        if mode == PreloadMode::Force || matches!(built, Ok(Rebuild::Built(_))) {
+            // The switch as MySQL has it now, not as it was at the start (nor as
+            // the snapshot the shards were written from said): an operator's
+            // pause may have landed meanwhile (a resume waits for the build
+            // lock the caller holds).
             let paused = match self.reread(&activity.id).await {
                 Ok(now) => now.paused,
                 Err(_) => fresh.paused,

@@ -740,3 +740,32 @@ async fn every_shard_holds_the_last_build(app: &TestApp, sale: &Sale, state: &st
         assert_eq!(s.as_deref(), Some(state), "shard {i}");
     }
 }
+
+/// An operator pauses a sale while a build of it is between its MySQL snapshot
+/// and its Redis write (a pause takes no build lock): the build ends with the
+/// live switch as MySQL then says, paused, not as its snapshot said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pause_during_a_build_stands_after_it() {
+    let relay = Relay::start("127.0.0.1:6379").await;
+    let other = TestApp::builder().spawn().await;
+    let app = app_behind(&relay)
+        .database_of(&other)
+        .kafka_of(&other)
+        .spawn()
+        .await;
+    let sale = app.open_sale(4, 1).await;
+    let k = flashsale::stock::Keys::new(&sale.id);
+    let mut conn = other.state.stock.connection();
+    let _: () = redis::pipe()
+        .del(&[&k.stock, &k.state, &k.buyers, &k.pending, &k.res])
+        .query_async(&mut conn)
+        .await
+        .expect("Redis loses the sale");
+    let preload = a_preload_held_between_snapshot_and_write(&app, &relay, &sale).await;
+    assert_eq!(other.pause(&sale.id).await.status(), StatusCode::OK);
+    relay.release();
+    assert_eq!(preload.await.expect("preload").status(), StatusCode::OK);
+    every_shard_holds_the_last_build(&other, &sale, "paused").await;
+    app.stop().await;
+    other.stop().await;
+}
