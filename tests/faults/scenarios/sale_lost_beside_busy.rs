@@ -60,6 +60,13 @@ impl Fault for SaleLostBesideBusy {
     }
     fn inject<'a>(&'a self, run: &'a mut Run) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async move {
+            // The consumer goes first, before the busy sale is set up: that takes
+            // a while under load, long enough for the lost sale's units to sell
+            // out and every message of it to become an order, and the rebuild
+            // would then have none of them to write itself.
+            if self.held_back {
+                run.kill_consumers();
+            }
             let spec = SaleSpec::new(BUSY_STOCK);
             let sale = open_sale(&run.client, &run.base(), &run.admin, &spec).await?;
             let answers = Arc::new(Mutex::new(Vec::new()));
@@ -77,9 +84,6 @@ impl Fault for SaleLostBesideBusy {
                     ))
                 })
                 .collect();
-            if self.held_back {
-                run.kill_consumers();
-            }
             tokio::time::sleep(BUSY_BEFORE).await;
             if self.held_back {
                 let lag = flashsale::kafka::consumer_lag(&run.kafka)
