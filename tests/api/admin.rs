@@ -654,19 +654,8 @@ async fn a_second_loss_keeps_its_pause(paused_for_the_first: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_preloads_of_one_sale_do_not_interleave() {
     let relay = Relay::start("127.0.0.1:6379").await;
-    let other = TestApp::builder().spawn().await;
-    let app = app_behind(&relay)
-        .database_of(&other)
-        .kafka_of(&other)
-        .spawn()
-        .await;
-    let sale = app
-        .open_sale_spec(&testkit::sale::SaleSpec {
-            stock_shards: 2,
-            ..testkit::sale::SaleSpec::new(4)
-        })
-        .await;
-    assert_eq!(app.pause(&sale.id).await.status(), StatusCode::OK);
+    let (app, other) = one_behind_the_relay_one_direct(&relay).await;
+    let sale = a_paused_split_sale(&app).await;
     let first = a_preload_held_between_snapshot_and_write(&app, &relay, &sale).await;
     let second = other.preload(&sale.id).await.status();
     relay.release();
@@ -687,19 +676,8 @@ async fn two_preloads_of_one_sale_do_not_interleave() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_resume_waits_for_a_forced_rebuild() {
     let relay = Relay::start("127.0.0.1:6379").await;
-    let other = TestApp::builder().spawn().await;
-    let app = app_behind(&relay)
-        .database_of(&other)
-        .kafka_of(&other)
-        .spawn()
-        .await;
-    let sale = app
-        .open_sale_spec(&testkit::sale::SaleSpec {
-            stock_shards: 2,
-            ..testkit::sale::SaleSpec::new(4)
-        })
-        .await;
-    assert_eq!(app.pause(&sale.id).await.status(), StatusCode::OK);
+    let (app, other) = one_behind_the_relay_one_direct(&relay).await;
+    let sale = a_paused_split_sale(&app).await;
     let preload = a_preload_held_between_snapshot_and_write(&app, &relay, &sale).await;
     let resume = tokio::spawn({
         let request = other.api.resume(&sale.id);
@@ -747,12 +725,7 @@ async fn every_shard_holds_the_last_build(app: &TestApp, sale: &Sale, state: &st
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_pause_during_a_build_stands_after_it() {
     let relay = Relay::start("127.0.0.1:6379").await;
-    let other = TestApp::builder().spawn().await;
-    let app = app_behind(&relay)
-        .database_of(&other)
-        .kafka_of(&other)
-        .spawn()
-        .await;
+    let (app, other) = one_behind_the_relay_one_direct(&relay).await;
     let sale = app.open_sale(4, 1).await;
     let k = flashsale::stock::Keys::new(&sale.id);
     let mut conn = other.state.stock.connection();
@@ -768,4 +741,28 @@ async fn a_pause_during_a_build_stands_after_it() {
     every_shard_holds_the_last_build(&other, &sale, "paused").await;
     app.stop().await;
     other.stop().await;
+}
+
+/// Two instances of one service: `app` reaches Redis through `relay`, `other`
+/// directly.
+async fn one_behind_the_relay_one_direct(relay: &Relay) -> (TestApp, TestApp) {
+    let other = TestApp::builder().spawn().await;
+    let app = app_behind(relay)
+        .database_of(&other)
+        .kafka_of(&other)
+        .spawn()
+        .await;
+    (app, other)
+}
+
+/// A sale over two stock shards, loaded and paused.
+async fn a_paused_split_sale(app: &TestApp) -> Sale {
+    let sale = app
+        .open_sale_spec(&testkit::sale::SaleSpec {
+            stock_shards: 2,
+            ..testkit::sale::SaleSpec::new(4)
+        })
+        .await;
+    assert_eq!(app.pause(&sale.id).await.status(), StatusCode::OK);
+    sale
 }
