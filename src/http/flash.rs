@@ -20,7 +20,7 @@ use crate::orders::OrderStatus;
 use crate::reservation::Outcome;
 use crate::state::AppState;
 use crate::stock::Polled;
-use crate::waiting_room::{Place, Turn};
+use crate::waiting_room::{Joining, Place, Turn};
 
 fn activity_for(state: &AppState, sku: &str, now: DateTime<Utc>) -> AppResult<Arc<Activity>> {
     if !is_valid_sku(sku) {
@@ -436,7 +436,7 @@ fn with_retry_after(
         (status = 403, description = "not_started: the room opens waiting_room_secs before the start; ended", body = crate::error::ErrorBody),
         (status = 404, description = "not_found: no sale for this SKU, or it has no waiting room", body = crate::error::ErrorBody),
         (status = 429, description = "rate_limited, with Retry-After", body = crate::error::ErrorBody),
-        (status = 503, description = "unavailable, with Retry-After", body = crate::error::ErrorBody),
+        (status = 503, description = "unavailable, with Retry-After: the room is being rebuilt, or the join is not recorded in the database yet (joining again keeps the arrival number)", body = crate::error::ErrorBody),
     )
 )]
 /// `POST /flash/{sku}/queue`: joins the sale's waiting room, once.
@@ -453,14 +453,22 @@ pub async fn join_queue(
     if activity.window(now) == Window::Ended {
         return Err(AppError::Ended);
     }
-    let (place, joined_now) = state
+    let (place, joined_now) = match state
         .waiting_room
         .join(&activity, &user.id, now)
         .await
         .map_err(redis_down)?
-        .ok_or(AppError::Unavailable(
-            "the waiting room is being rebuilt; join again in a moment",
-        ))?;
+    {
+        Joining::Joined { place, now } => (place, now),
+        Joining::Rebuilding => {
+            return Err(AppError::Unavailable(
+                "the waiting room is being rebuilt; join again in a moment",
+            ))
+        }
+        Joining::NotRecorded => return Err(AppError::Unavailable(
+            "the join could not be recorded; join again in a moment (the arrival number is kept)",
+        )),
+    };
     if joined_now {
         metrics::counter!("flashsale_waiting_room_joins_total").increment(1);
     }

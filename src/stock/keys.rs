@@ -132,7 +132,7 @@ pub struct RoomKeys {
     /// draw (`seed`, `drawn`), `sealed` (no early join counts any more),
     /// `closed`, and the `admitted` and `expired` totals.
     pub meta: String,
-    /// Facts not yet copied to MySQL (late joins, settled turns), oldest first,
+    /// Facts not yet copied to MySQL (joins, turns given, settled turns), oldest first,
     /// so that a room Redis lost can be rebuilt without them.
     pub journal: String,
     /// Held by the instance copying the journal to MySQL.

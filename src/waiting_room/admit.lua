@@ -1,6 +1,6 @@
 -- One admission step: turns that ran out are settled `expired`; then as many
 -- users as there are units left, minus those admitted already, are admitted in
--- queue order. While no unit can come back the room is closed: everyone still
+-- queue order (each turn journalled with its end). While no unit can come back the room is closed: everyone still
 -- waiting is told `sold_out` (see status.lua). That is not final: once units
 -- come back (a top-up, a lapse refunded, a repair) the next step reopens it and
 -- the line moves on from where it stood.
@@ -52,6 +52,9 @@ if room > 0 then
   local next = redis.call("ZPOPMIN", KEYS[4], room)
   for i = 1, #next, 2 do
     redis.call("ZADD", KEYS[5], ARGV[4], next[i])
+    -- Journalled with its end: a rebuilt room knows the turn ran out even if
+    -- its `expired` entry is lost with Redis before it is copied.
+    redis.call("RPUSH", KEYS[8], "admitted\t" .. next[i] .. "\t" .. ARGV[4])
     admitted = admitted + 1
   end
   if admitted > 0 then

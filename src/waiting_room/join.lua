@@ -10,7 +10,7 @@
 --         if this join creates the room
 --
 -- Returns {1, ticket, "early" | "late", place…, generation} joined now, {0,
--- ticket, "", place…, generation} joined before, {-1, "", "", "none", "", -1,
+-- ticket, "early" | "late", place…, generation} joined before, {-1, "", "", "none", "", -1,
 -- -1, ""} the room is being rebuilt (try again shortly); place… is `place`'s
 -- four values. The generation names this room's life in Redis: a room Redis
 -- lost and a join created again has another (instances that remember joins
@@ -21,9 +21,10 @@ local function answer(code, seq, kind)
   return {code, seq, kind, p[1], p[2], p[3], p[4], gen}
 end
 
-local seq = redis.call("ZSCORE", KEYS[1], ARGV[1]) or redis.call("ZSCORE", KEYS[2], ARGV[1])
+local early = redis.call("ZSCORE", KEYS[1], ARGV[1])
+local seq = early or redis.call("ZSCORE", KEYS[2], ARGV[1])
 if seq then
-  return answer(0, seq, "")
+  return answer(0, seq, early and "early" or "late")
 end
 -- One clock for every instance: Redis's.
 local t = redis.call("TIME")

@@ -36,8 +36,10 @@
 //!   `waiting_room_journal`); a rebuilt room gets them back (`restore.lua`),
 //!   with every buyer of the sale settled, before its draw is written again, so
 //!   no turn goes to someone who bought or whose turn ran out, and late joiners
-//!   keep their place. What the last moment before the loss journalled and had
-//!   not copied yet is lost with Redis.
+//!   keep their place. A join is answered only once MySQL has it; a turn given
+//!   is journalled with its end, so a turn that ran out in the last moment
+//!   before the loss (its `expired` entry not copied yet) is known to have run
+//!   out all the same.
 //!
 //! Every key lives in the hash tag of the activity's shard 0 (`RoomKeys`).
 
@@ -120,10 +122,24 @@ pub enum Turn {
 enum Joined {
     /// Joined just now, with this arrival number, `early` or `late`.
     Now { seq: String, kind: String },
-    /// Joined before, with this arrival number.
-    Before { seq: String },
+    /// Joined before, with this arrival number, `early` or `late`.
+    Before { seq: String, kind: String },
     /// The room is being rebuilt after Redis lost it.
     Rebuilding,
+}
+
+/// What a join answers.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Joining {
+    /// In the room, and recorded in MySQL: where the user stands, and whether
+    /// they joined just now.
+    Joined { place: Place, now: bool },
+    /// A room Redis lost is being rebuilt: join again in a moment.
+    Rebuilding,
+    /// In the room in Redis, but MySQL did not record the join in time (down
+    /// or slow): nothing is promised until it does, and joining again keeps
+    /// the arrival number.
+    NotRecorded,
 }
 
 /// `status.lua`'s reply: the place's four values, then the room's mark
@@ -148,7 +164,10 @@ impl Joined {
                 kind: kind.clone(),
             },
             c if c < 0 => Joined::Rebuilding,
-            _ => Joined::Before { seq: seq.clone() },
+            _ => Joined::Before {
+                seq: seq.clone(),
+                kind: kind.clone(),
+            },
         }
     }
 }
@@ -314,17 +333,15 @@ impl WaitingRoom {
     }
 
     /// Joins `user`, in one script call that also answers where they stand:
-    /// their place, and whether they joined just now; `None` while a room
-    /// Redis lost is being rebuilt (joining then would give arrival numbers
-    /// again from 1). Always asked of Redis: a user whose join Redis lost
-    /// joins again here. What it answers before the start is remembered (see
+    /// their place, and whether they joined just now; [`Joining::Rebuilding`]
+    /// while a room Redis lost is being rebuilt (joining then would give
+    /// arrival numbers again from 1). Always asked of Redis: a user whose join
+    /// Redis lost joins again here. A join is answered only once MySQL has
+    /// it, the first time and when joining again (the first answer may have
+    /// been [`Joining::NotRecorded`]), so that a place told survives Redis
+    /// losing the room. What it answers before the start is remembered (see
     /// [`EarlyJoins`]).
-    pub async fn join(
-        &self,
-        a: &Activity,
-        user: &str,
-        now: DateTime<Utc>,
-    ) -> RedisResult<Option<(Place, bool)>> {
+    pub async fn join(&self, a: &Activity, user: &str, now: DateTime<Utc>) -> RedisResult<Joining> {
         let lost_after =
             a.starts_at + chrono::Duration::from_std(DRAW_GRACE * 2).unwrap_or_default();
         let reply: JoinReply = self
@@ -344,19 +361,22 @@ impl WaitingRoom {
         let joined = Joined::decode(&reply);
         let (.., state, seq, ahead, until, gen) = reply;
         let place = Place::decode(a, (state, seq, ahead, until));
-        Ok(match joined {
-            Joined::Rebuilding => None,
-            Joined::Now { seq, kind } => {
-                if let Ok(n) = seq.parse() {
-                    self.joins.record(&a.id, &gen, user, &kind, n).await;
-                }
-                self.early.learn(a, user, &seq, &place, &gen, now);
-                Some((place, true))
-            }
-            Joined::Before { seq } => {
-                self.early.learn(a, user, &seq, &place, &gen, now);
-                Some((place, false))
-            }
+        let (seq, kind, now_joined) = match joined {
+            Joined::Rebuilding => return Ok(Joining::Rebuilding),
+            Joined::Now { seq, kind } => (seq, kind, true),
+            Joined::Before { seq, kind } => (seq, kind, false),
+        };
+        let recorded = match seq.parse() {
+            Ok(n) => self.joins.record(&a.id, &gen, user, &kind, n).await,
+            Err(_) => false,
+        };
+        self.early.learn(a, user, &seq, &place, &gen, now);
+        Ok(match recorded {
+            true => Joining::Joined {
+                place,
+                now: now_joined,
+            },
+            false => Joining::NotRecorded,
         })
     }
 
@@ -687,7 +707,12 @@ impl WaitingRoom {
         let highest = recorded
             .iter()
             .flat_map(|(_, order)| order.iter().map(|(_, seq)| *seq))
-            .chain(restored.iter().map(|(_, _, seq)| *seq))
+            .chain(
+                restored
+                    .iter()
+                    .filter(|(_, kind, _)| kind == "early" || kind == "late")
+                    .map(|(_, _, seq)| *seq),
+            )
             .max()
             .unwrap_or(0);
         self.restore_journal(a, &restored).await?;
@@ -830,8 +855,12 @@ impl WaitingRoom {
             if entries.is_empty() {
                 return Ok(());
             }
-            let rows: Vec<JournalRow> = entries.iter().filter_map(|e| parse_entry(e)).collect();
+            let (turns, rows): (Vec<JournalRow>, Vec<JournalRow>) = entries
+                .iter()
+                .filter_map(|e| parse_entry(e))
+                .partition(|(_, kind, _)| kind == "admitted");
             record_journal(&self.pool, &a.id, &gen, &rows).await?;
+            record_turns(&self.pool, &a.id, &gen, &turns).await?;
             let _: Vec<i64> = self
                 .run(
                     a,
@@ -851,7 +880,8 @@ impl WaitingRoom {
 /// commit: one insert for every join that arrived within [`JOIN_BATCH_WAIT`]),
 /// so that a `201` survives Redis losing the room right after it. A join whose
 /// record does not make it within [`JOIN_RECORD_TIMEOUT`] (MySQL down or slow)
-/// is answered all the same: its entry in the room's journal is copied later.
+/// is answered `503`: its entry in the room's journal is copied later, and
+/// joining again records it before the answer.
 #[derive(Clone)]
 struct JoinRecorder {
     queue: tokio::sync::mpsc::Sender<PendingJoin>,
@@ -868,10 +898,13 @@ struct PendingJoin {
 const JOIN_BATCH_WAIT: Duration = Duration::from_millis(10);
 const JOIN_RECORD_TIMEOUT: Duration = Duration::from_secs(1);
 const JOIN_QUEUE: usize = 100_000;
+/// Batches of joins inserted at once.
+const JOIN_INSERTS: usize = 4;
 
 impl JoinRecorder {
     fn start(pool: MySqlPool) -> Self {
         let (queue, mut pending) = tokio::sync::mpsc::channel::<PendingJoin>(JOIN_QUEUE);
+        let inserts = Arc::new(tokio::sync::Semaphore::new(JOIN_INSERTS));
         tokio::spawn(async move {
             while let Some(first) = pending.recv().await {
                 let mut batch = vec![first];
@@ -890,25 +923,36 @@ impl JoinRecorder {
                         .push(join);
                 }
                 for ((activity_id, gen), joins) in by_room {
-                    let rows: Vec<JournalRow> = joins.iter().map(|j| j.row.clone()).collect();
-                    match record_journal(&pool, &activity_id, &gen, &rows).await {
-                        Ok(()) => {
-                            for join in joins {
-                                let _ = join.done.send(());
+                    // A few inserts at once: a join waits for its own, and a
+                    // crowd arriving at the room's opening is not answered
+                    // `503` for a queue of batches ahead of it.
+                    let Ok(permit) = inserts.clone().acquire_owned().await else {
+                        return;
+                    };
+                    let pool = pool.clone();
+                    tokio::spawn(async move {
+                        let rows: Vec<JournalRow> = joins.iter().map(|j| j.row.clone()).collect();
+                        match record_journal(&pool, &activity_id, &gen, &rows).await {
+                            Ok(()) => {
+                                for join in joins {
+                                    let _ = join.done.send(());
+                                }
+                            }
+                            Err(err) => {
+                                tracing::warn!(%activity_id, error = %format!("{err:#}"), "recording joins failed; they are answered 503, and the journal copies them later");
                             }
                         }
-                        Err(err) => {
-                            tracing::warn!(%activity_id, error = %format!("{err:#}"), "recording joins failed; the journal copies them later");
-                        }
-                    }
+                        drop(permit);
+                    });
                 }
             }
         });
         JoinRecorder { queue }
     }
 
-    /// Records a join and waits for it, at most [`JOIN_RECORD_TIMEOUT`].
-    async fn record(&self, activity_id: &str, gen: &str, user: &str, kind: &str, seq: u64) {
+    /// Records a join and waits for it, at most [`JOIN_RECORD_TIMEOUT`];
+    /// whether MySQL has it.
+    async fn record(&self, activity_id: &str, gen: &str, user: &str, kind: &str, seq: u64) -> bool {
         let (done, recorded) = tokio::sync::oneshot::channel();
         let join = PendingJoin {
             activity_id: activity_id.to_owned(),
@@ -917,14 +961,18 @@ impl JoinRecorder {
             done,
         };
         if self.queue.try_send(join).is_err() {
-            return;
+            return false;
         }
-        let _ = tokio::time::timeout(JOIN_RECORD_TIMEOUT, recorded).await;
+        matches!(
+            tokio::time::timeout(JOIN_RECORD_TIMEOUT, recorded).await,
+            Ok(Ok(()))
+        )
     }
 }
 
-/// One journal entry: a user, what happened (`late`, `reserved`, `expired`),
-/// and a late joiner's arrival number.
+/// One journal entry: a user, what happened (`early`, `late`, `admitted`,
+/// `reserved`, `expired`), and a joiner's arrival number or the end of a
+/// turn given (ms).
 type JournalRow = (String, String, u64);
 
 fn parse_entry(entry: &str) -> Option<JournalRow> {
@@ -932,11 +980,42 @@ fn parse_entry(entry: &str) -> Option<JournalRow> {
     let what = parts.next()?;
     let user = parts.next()?;
     let seq = match what {
-        "early" | "late" => parts.next()?.parse().ok()?,
+        "early" | "late" | "admitted" => parts.next()?.parse().ok()?,
         "reserved" | "expired" => 0,
         _ => return None,
     };
     Some((user.to_owned(), what.to_owned(), seq))
+}
+
+/// Records the turns given (`admitted` rows) apart from the rest: until
+/// `flashsale migrate` has added the kind to the table (an instance of this
+/// release may run against the schema of the last one for a while), MySQL
+/// refuses them, and they are dropped rather than holding up the journal.
+async fn record_turns(
+    pool: &MySqlPool,
+    activity_id: &str,
+    gen: &str,
+    rows: &[JournalRow],
+) -> anyhow::Result<()> {
+    match record_journal(pool, activity_id, gen, rows).await {
+        Err(err) if refused_kind(&err) => {
+            tracing::warn!(%activity_id, turns = rows.len(), "turns given not journalled: waiting_room_journal lacks the `admitted` kind (run `flashsale migrate`)");
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+/// Whether MySQL refused a value of the `kind` column (data truncated, or an
+/// incorrect value for it).
+fn refused_kind(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause
+            .downcast_ref::<sqlx::Error>()
+            .and_then(|e| e.as_database_error())
+            .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+            .is_some_and(|e| matches!(e.number(), 1265 | 1366))
+    })
 }
 
 /// Records journal rows of the room's life `gen` in Redis ("" when unknown:
@@ -1019,7 +1098,7 @@ async fn lost_joins(
 }
 
 /// What a rebuilt room gets back: every buyer of the sale (`reserved`), the
-/// turns that ran out and the late joiners the journal recorded.
+/// turns given and those that ran out, and the joiners the journal recorded.
 async fn load_journal(pool: &MySqlPool, activity_id: &str) -> anyhow::Result<Vec<JournalRow>> {
     let mut rows: Vec<JournalRow> = sqlx::query_as(
         "SELECT CAST(user_id AS CHAR), CAST(kind AS CHAR), CAST(COALESCE(joined_seq, 0) AS UNSIGNED) \
@@ -1073,7 +1152,9 @@ fn ended_place(a: &Activity, rows: &[(String, u64)]) -> Place {
             ticket,
             until: None,
         }
-    } else if kind("expired") {
+    } else if kind("expired") || kind("admitted") {
+        // A turn given and not used ran out by the end (its `expired` entry
+        // may have been lost with Redis before it was copied).
         Place::Expired { ticket }
     } else {
         Place::SoldOut { ticket }
@@ -1275,8 +1356,11 @@ mod tests {
             }
         );
         assert_eq!(
-            Joined::decode(&waiting(0, "7", "")),
-            Joined::Before { seq: s("7") }
+            Joined::decode(&waiting(0, "7", "early")),
+            Joined::Before {
+                seq: s("7"),
+                kind: s("early")
+            }
         );
         assert_eq!(
             Joined::decode(&(-1, s(""), s(""), s("none"), s(""), -1, -1, s(""))),

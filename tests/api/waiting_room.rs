@@ -9,6 +9,7 @@ use futures::stream::{self, StreamExt};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
+use flashsale::waiting_room::Joining;
 use testkit::stats::binomial_interval;
 
 use crate::helpers::{
@@ -867,14 +868,16 @@ async fn a_join_after_the_draw_read_the_joiners_is_placed() {
     })
     .await;
     let a = activity(&app, &sku);
-    let (_, new) = app
+    let joining = app
         .state
         .waiting_room
         .join(&a, "behind", chrono::Utc::now())
         .await
-        .expect("join")
-        .expect("the room is there");
-    assert!(new);
+        .expect("join");
+    assert!(
+        matches!(joining, Joining::Joined { now: true, .. }),
+        "{joining:?}"
+    );
     eventually(
         Duration::from_secs(10),
         "the late early joiner admitted",
@@ -1015,6 +1018,113 @@ async fn a_room_rebuilt_keeps_its_buyers_expired_turns_and_late_joiners() {
     app.stop().await;
 }
 
+/// The journal rows of `kind` MySQL holds for the sale's `user`.
+async fn journalled(app: &TestApp, id: &str, user: &str, kind: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM waiting_room_journal WHERE activity_id = ? AND user_id = ? AND kind = ?",
+    )
+    .bind(id)
+    .bind(user)
+    .bind(kind)
+    .fetch_one(&app.state.pool)
+    .await
+    .expect("the journal")
+}
+
+/// A turn that ran out in the last moment before Redis lost the room, its
+/// `expired` entry never copied to MySQL, is still run out once the room is
+/// rebuilt: the turn was journalled with its end when it was given.
+#[tokio::test]
+async fn a_turn_run_out_just_before_a_loss_stays_run_out() {
+    let app = TestApp::builder().turn_secs(2).spawn().await;
+    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
+    let users = ["t0", "t1", "t2"];
+    for u in users {
+        assert_eq!(app.join_queue(&sku, u).await.status(), StatusCode::CREATED);
+    }
+    let first = admitted_one(&app, &sku, &users).await;
+    eventually(
+        Duration::from_secs(10),
+        "the turn given journalled",
+        || async { (journalled(&app, &id, &first, "admitted").await == 1).then_some(()) },
+    )
+    .await;
+    // From here on no instance copies the journal (the copier's lock is held),
+    // as in the moment before a loss.
+    let keys = flashsale::stock::RoomKeys::new(&id, 1);
+    let mut conn = app.state.stock.connection();
+    let _: () = redis::cmd("SET")
+        .arg(&keys.journal_lock)
+        .arg("held-by-the-test")
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut conn)
+        .await
+        .expect("SET");
+    all_told(&app, &sku, &[&first], "expired", Duration::from_secs(10)).await;
+    assert_eq!(
+        journalled(&app, &id, &first, "expired").await,
+        0,
+        "the expiry must not have reached MySQL before the loss"
+    );
+    let seed = room(&app, &id).await["seed"].clone();
+    lose_room(&app, &id, 1).await;
+    eventually(Duration::from_secs(10), "the room rebuilt", || async {
+        (room(&app, &id).await["seed"] == seed).then_some(())
+    })
+    .await;
+    // The unit goes to the next in line; the first has had their turn, and
+    // is told so at every look (a second turn would show for two seconds).
+    let next = eventually(Duration::from_secs(10), "the next turn", || async {
+        let p = place(&app, &sku, &first).await;
+        assert_eq!(p["state"], "expired", "no second turn for {first}: {p}");
+        for u in users.iter().filter(|u| **u != first) {
+            if place(&app, &sku, u).await["state"] == "admitted" {
+                return Some(*u);
+            }
+        }
+        None
+    })
+    .await;
+    assert_eq!(
+        app.reserve(&sku, &first, None).await.status(),
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(
+        app.reserve(&sku, next, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    app.stop().await;
+}
+
+/// A join is answered only once MySQL has it: while MySQL cannot record it
+/// (the journal's table locked, as a slow or stalled MySQL would), `503`, the
+/// user in line in Redis all the same; joining again once MySQL answers
+/// records it before the answer, with the same ticket.
+#[tokio::test]
+async fn a_join_is_answered_once_mysql_has_it() {
+    let app = spawn_app().await;
+    let (id, sku) = room_sale(&app, 5, Duration::from_secs(60)).await;
+    let mut lock = app.state.pool.acquire().await.expect("a connection");
+    sqlx::query("LOCK TABLES waiting_room_journal WRITE")
+        .execute(&mut *lock)
+        .await
+        .expect("LOCK TABLES");
+    let resp = app.join_queue(&sku, "slow").await;
+    assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    sqlx::query("UNLOCK TABLES")
+        .execute(&mut *lock)
+        .await
+        .expect("UNLOCK TABLES");
+    drop(lock);
+    let resp = app.join_queue(&sku, "slow").await;
+    assert_eq!(resp.status(), StatusCode::OK, "joined before");
+    let ticket = resp.json::<Value>().await.expect("json")["ticket"].clone();
+    assert_eq!(journalled(&app, &id, "slow", "early").await, 1);
+    assert_eq!(place(&app, &sku, "slow").await["ticket"], ticket);
+    app.stop().await;
+}
+
 /// A client that hangs up while its reservation waits for the broker does not
 /// leave its turn held: the reservation's own task settles it once accepted.
 #[tokio::test]
@@ -1118,7 +1228,7 @@ async fn only_a_room_redis_lost_something_of_reads_its_journal_back_at_the_draw(
         }
         let gen = eventually(Duration::from_secs(10), "the joins journalled", || async {
             let rows: Vec<(Option<String>,)> =
-                sqlx::query_as("SELECT gen FROM waiting_room_journal WHERE activity_id = ?")
+                sqlx::query_as("SELECT gen FROM waiting_room_journal WHERE activity_id = ? AND kind IN ('early', 'late')")
                     .bind(&id)
                     .fetch_all(&app.state.pool)
                     .await
