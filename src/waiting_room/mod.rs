@@ -855,12 +855,8 @@ impl WaitingRoom {
             if entries.is_empty() {
                 return Ok(());
             }
-            let (turns, rows): (Vec<JournalRow>, Vec<JournalRow>) = entries
-                .iter()
-                .filter_map(|e| parse_entry(e))
-                .partition(|(_, kind, _)| kind == "admitted");
+            let rows: Vec<JournalRow> = entries.iter().filter_map(|e| parse_entry(e)).collect();
             record_journal(&self.pool, &a.id, &gen, &rows).await?;
-            record_turns(&self.pool, &a.id, &gen, &turns).await?;
             let _: Vec<i64> = self
                 .run(
                     a,
@@ -987,39 +983,12 @@ fn parse_entry(entry: &str) -> Option<JournalRow> {
     Some((user.to_owned(), what.to_owned(), seq))
 }
 
-/// Records the turns given (`admitted` rows) apart from the rest: until
-/// `flashsale migrate` has added the kind to the table (an instance of this
-/// release may run against the schema of the last one for a while), MySQL
-/// refuses them, and they are dropped rather than holding up the journal.
-async fn record_turns(
-    pool: &MySqlPool,
-    activity_id: &str,
-    gen: &str,
-    rows: &[JournalRow],
-) -> anyhow::Result<()> {
-    match record_journal(pool, activity_id, gen, rows).await {
-        Err(err) if refused_kind(&err) => {
-            tracing::warn!(%activity_id, turns = rows.len(), "turns given not journalled: waiting_room_journal lacks the `admitted` kind (run `flashsale migrate`)");
-            Ok(())
-        }
-        other => other,
-    }
-}
-
-/// Whether MySQL refused a value of the `kind` column (data truncated, or an
-/// incorrect value for it).
-fn refused_kind(err: &anyhow::Error) -> bool {
-    err.chain().any(|cause| {
-        cause
-            .downcast_ref::<sqlx::Error>()
-            .and_then(|e| e.as_database_error())
-            .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
-            .is_some_and(|e| matches!(e.number(), 1265 | 1366))
-    })
-}
-
 /// Records journal rows of the room's life `gen` in Redis ("" when unknown:
 /// such a row counts as another life's, and the draw reads the journal back).
+/// On a table `flashsale migrate` has not given the `admitted` kind yet (an
+/// instance of this release may run against the last one's schema for a
+/// while), `INSERT IGNORE` stores a turn given with an empty kind, which every
+/// reader ignores: the rest of the journal is copied all the same.
 async fn record_journal(
     pool: &MySqlPool,
     activity_id: &str,

@@ -1097,6 +1097,39 @@ async fn a_turn_run_out_just_before_a_loss_stays_run_out() {
     app.stop().await;
 }
 
+/// Before `flashsale migrate` gives the journal's table the `admitted` kind
+/// (an instance of this release on the last one's schema), the turns given
+/// are not kept, and everything else in the journal is copied all the same.
+#[tokio::test]
+async fn a_journal_table_not_migrated_yet_still_takes_the_rest() {
+    let app = TestApp::builder().turn_secs(2).spawn().await;
+    sqlx::query(
+        "ALTER TABLE waiting_room_journal \
+         MODIFY kind ENUM('early', 'late', 'reserved', 'expired') NOT NULL",
+    )
+    .execute(&app.state.pool)
+    .await
+    .expect("the last release's table");
+    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
+    let users = ["m0", "m1", "m2"];
+    for u in users {
+        assert_eq!(app.join_queue(&sku, u).await.status(), StatusCode::CREATED);
+    }
+    let first = admitted_one(&app, &sku, &users).await;
+    all_told(&app, &sku, &[&first], "expired", Duration::from_secs(10)).await;
+    assert_eq!(
+        app.join_queue(&sku, "latecomer").await.status(),
+        StatusCode::CREATED
+    );
+    eventually(Duration::from_secs(10), "the expiry copied", || async {
+        (journalled(&app, &id, &first, "expired").await == 1).then_some(())
+    })
+    .await;
+    assert_eq!(journalled(&app, &id, "latecomer", "late").await, 1);
+    assert_eq!(journalled(&app, &id, &first, "admitted").await, 0);
+    app.stop().await;
+}
+
 /// A join is answered only once MySQL has it: while MySQL cannot record it
 /// (the journal's table locked, as a slow or stalled MySQL would), `503`, the
 /// user in line in Redis all the same; joining again once MySQL answers
