@@ -6,9 +6,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
 use flashsale::auth::Auth;
 use flashsale::config::{KafkaSettings, Settings};
 use futures::future::BoxFuture;
+use redis::aio::MultiplexedConnection;
 use secrecy::ExposeSecret;
 use testkit::api::{Api, Caller};
 use testkit::availability::{Outage, Prober, Sample};
@@ -948,5 +950,88 @@ pub async fn hammer_reconcile(
         }
         i += 1;
         tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+}
+
+// The shared clock (Redis's `TIME`), as the checks of time rules read it.
+
+/// How far an instance's reading of the shared clock may be off Redis's own:
+/// half its sample's round trip, on a loaded machine.
+pub const CLOCK_TOLERANCE_MS: i64 = 250;
+
+/// A connection to the run's Redis, whose `TIME` is the shared clock.
+pub async fn redis_conn(run: &Run) -> Result<MultiplexedConnection, String> {
+    let client = redis::Client::open(run.redis_url()).map_err(|e| e.to_string())?;
+    client
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(|e| format!("Redis: {e}"))
+}
+
+/// Redis's clock now.
+pub async fn redis_now(conn: &mut MultiplexedConnection) -> Result<DateTime<Utc>, String> {
+    let (secs, micros): (i64, u32) = redis::cmd("TIME")
+        .query_async(conn)
+        .await
+        .map_err(|e| format!("TIME: {e}"))?;
+    DateTime::from_timestamp(secs, micros * 1000)
+        .ok_or_else(|| "TIME answered an impossible time".to_owned())
+}
+
+/// A sale's window as the service keeps it (to the millisecond).
+pub async fn window_of(run: &Run, sku: &str) -> Result<(DateTime<Utc>, DateTime<Utc>), String> {
+    // Every instance learns of a new sale on its next cache refresh; the
+    // window is asked of each until each knows it.
+    let mut body = serde_json::Value::Null;
+    for api in run.apis() {
+        body = testkit::within(Duration::from_secs(10), "the sale's window", || async {
+            let resp = api.sale(sku).send().await.ok()?;
+            if !resp.status().is_success() {
+                return None;
+            }
+            resp.json::<serde_json::Value>().await.ok()
+        })
+        .await?;
+    }
+    let at = |field: &str| {
+        serde_json::from_value::<DateTime<Utc>>(body[field].clone())
+            .map_err(|e| format!("the sale's {field}: {e}: {body}"))
+    };
+    Ok((at("starts_at")?, at("ends_at")?))
+}
+
+/// Every order of the sale `activity_id` was written after it opened
+/// (`starts_at`) and before `now`, and none was cancelled before its payment
+/// deadline, by Redis's clock (the shared one).
+pub async fn orders_follow_the_clock(
+    run: &Run,
+    activity_id: &str,
+    name: &str,
+    starts_at: DateTime<Utc>,
+    now: DateTime<Utc>,
+) -> Result<(), String> {
+    let tolerance = chrono::Duration::milliseconds(CLOCK_TOLERANCE_MS);
+    let pool = sqlx::MySqlPool::connect(&run.root_mysql_url)
+        .await
+        .map_err(|e| e.to_string())?;
+    let counts: Result<(i64, i64), String> = sqlx::query_as(
+        "SELECT \
+           CAST(COALESCE(SUM(created_at < ? OR created_at > ?), 0) AS SIGNED), \
+           CAST(COALESCE(SUM(status = 'cancelled' AND (cancelled_at < expires_at OR expires_at > ?)), 0) AS SIGNED) \
+         FROM orders WHERE activity_id = ?",
+    )
+    .bind((starts_at - tolerance).naive_utc())
+    .bind((now + tolerance).naive_utc())
+    .bind(now.naive_utc())
+    .bind(activity_id)
+    .fetch_one(&pool)
+    .await
+    .map_err(|e| e.to_string());
+    pool.close().await;
+    match counts? {
+        (0, 0) => Ok(()),
+        (outside, early) => Err(format!(
+            "{name}: {outside} orders written outside [starts_at, now] and {early} cancelled before their deadline, by Redis's clock"
+        )),
     }
 }

@@ -3,10 +3,13 @@
 //! open sale or a waiting room, 1 or 3 stock shards, 1 to 3 instances, buyers
 //! who double-click, pay, let orders lapse; top-ups, pauses, preloads) and a
 //! schedule of faults from the catalogue (`nemesis.rs`), one at a time, each
-//! healed before the next. Then the sale goes quiet and everything is checked:
-//! the invariant checker's four invariants, invariant 5 (no unit stranded, every
-//! waiting-room user told an outcome), every `200` payment a paid order, and
-//! after each heal the time without service against the kind's bound.
+//! healed before the next; in two seeds of three one instance's clock runs
+//! seconds to minutes off throughout. Then the sale goes quiet and everything
+//! is checked: the invariant checker's four invariants, invariant 5 (no unit
+//! stranded, every waiting-room user told an outcome), every `200` payment a
+//! paid order, no order before the sale opened or cancelled before its
+//! deadline by the shared clock, and after each heal the time without service
+//! against the kind's bound.
 //!
 //! The same seed replays the same choices (the processes' timing is real, so
 //! not every interleaving replays). The seed is printed first and in every
@@ -119,6 +122,11 @@ pub struct Plan {
     /// (when, units)
     pub top_ups: Vec<(Duration, u32)>,
     pub episodes: Vec<Episode>,
+    /// One instance whose own clock runs this far off the machine's for the
+    /// whole run, restarts included (`Env::skew_clock`): (instance, seconds).
+    /// Drawn apart from the schedule, so every fault of a seed meets it and a
+    /// seed's schedule is the same with or without it.
+    pub skewed: Option<(usize, i64)>,
 }
 
 impl Plan {
@@ -141,10 +149,19 @@ impl Plan {
             walk_away: rng.range(0, 15) as f64 / 100.0,
             top_ups: Vec::new(),
             episodes: Vec::new(),
+            skewed: None,
         };
         for _ in 0..rng.range(0, 2) {
             let at = rng.millis(0, secs * 900);
             plan.top_ups.push((at, rng.range(5, 40) as u32));
+        }
+        // The clock nemesis: in two seeds of three, one instance's clock off
+        // by more than a turn (and than the tokens' leeway), ahead or behind.
+        let mut clock = Rng::fork(seed, 2);
+        if clock.chance(2.0 / 3.0) {
+            let instance = clock.below(services as u64) as usize;
+            let secs = clock.range(TURN_SECS + 1, 600) as i64;
+            plan.skewed = Some((instance, if clock.chance(0.5) { secs } else { -secs }));
         }
         // Faults one after another, each healed and watched before the next.
         let kinds = nemesis::catalogue();
@@ -185,13 +202,17 @@ impl Plan {
         for e in &self.episodes {
             kinds[e.nemesis].needs(&mut setup);
         }
+        if let Some((instance, secs)) = self.skewed {
+            setup.clock_skew_secs = vec![0; self.services];
+            setup.clock_skew_secs[instance] = secs;
+        }
         setup
     }
 
     /// One line: what was sold and how.
     pub fn workload(&self) -> String {
         format!(
-            "{} · {} units · {} shard{} · {} instance{} · {} buyers · pay {:.0} % in {} s{}",
+            "{} · {} units · {} shard{} · {} instance{} · {} buyers · pay {:.0} % in {} s{}{}",
             if self.waiting_room {
                 "waiting room"
             } else {
@@ -208,6 +229,13 @@ impl Plan {
             match self.top_ups.len() {
                 0 => String::new(),
                 n => format!(" · {n} top-up{}", if n > 1 { "s" } else { "" }),
+            },
+            match self.skewed {
+                None => String::new(),
+                Some((i, secs)) => format!(
+                    " · instance {}'s clock {secs:+} s",
+                    (b'a' + i as u8) as char
+                ),
             }
         )
     }
@@ -372,6 +400,11 @@ async fn campaign(
         ));
     }
     check_availability(plan, &struck, &samples, busy.from, outcome);
+    // One clock: whatever an instance's own clock says, no order before the
+    // sale opened or cancelled before its deadline, by Redis's clock.
+    if let Err(e) = orders_follow_the_clock_of(run).await {
+        outcome.violations.push(format!("one clock: {e}"));
+    }
     println!(
         "campaign: seed {}: payments {:?}, top-ups {:?}, reconcile runs {}",
         plan.seed,
@@ -380,6 +413,12 @@ async fn campaign(
         reconciles.load(Ordering::SeqCst)
     );
     Ok(())
+}
+
+async fn orders_follow_the_clock_of(run: &Run) -> Result<(), String> {
+    let (starts_at, _) = harness::window_of(run, &run.sku).await?;
+    let now = harness::redis_now(&mut harness::redis_conn(run).await?).await?;
+    harness::orders_follow_the_clock(run, &run.activity_id, "the sale", starts_at, now).await
 }
 
 /// The buyers and the operators' top-ups, each at its drawn time. In a

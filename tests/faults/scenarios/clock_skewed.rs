@@ -36,7 +36,10 @@ use testkit::api::{Api, Caller};
 use testkit::invariants::{Answer, Probe};
 use testkit::sale::{open_sale, SaleSpec};
 
-use crate::harness::{Fault, Run, Setup};
+use crate::harness::{
+    orders_follow_the_clock, redis_conn, redis_now, window_of, Fault, Run, Setup,
+    CLOCK_TOLERANCE_MS,
+};
 
 /// How far the second instance's own clock runs ahead, and the third's behind.
 const SKEW_SECS: i64 = 300;
@@ -48,9 +51,8 @@ const TURN_SECS: i64 = 4;
 /// instance's own clock ahead would cancel every order at once), longer than
 /// the scenario.
 const PAYMENT_SECS: u32 = 240;
-/// How far an instance's reading of the shared clock may be off Redis's own:
-/// half its sample's round trip, on a loaded machine.
-const TOLERANCE_MS: i64 = 250;
+/// How far an instance's reading of the shared clock may be off Redis's own.
+const TOLERANCE_MS: i64 = CLOCK_TOLERANCE_MS;
 /// A round of turns may follow the last this much later than a turn (the
 /// admission step runs every 100 ms on each instance), and a step's work may
 /// take this long after it read the clock.
@@ -152,56 +154,16 @@ impl Fault for ClockSkewed {
             }
             let now = redis_now(&mut redis_conn(run).await?).await?;
             for side in &sides {
-                orders_follow_the_clock(run, side, now).await?;
+                orders_follow_the_clock(run, &side.activity_id, side.name, side.starts_at, now)
+                    .await?;
             }
             Ok(())
         })
     }
 }
 
-/// A connection to the run's Redis, whose `TIME` is the shared clock.
-async fn redis_conn(run: &Run) -> Result<MultiplexedConnection, String> {
-    let client = redis::Client::open(run.redis_url()).map_err(|e| e.to_string())?;
-    client
-        .get_multiplexed_async_connection()
-        .await
-        .map_err(|e| format!("Redis: {e}"))
-}
-
-/// Redis's clock now.
-async fn redis_now(conn: &mut MultiplexedConnection) -> Result<DateTime<Utc>, String> {
-    let (secs, micros): (i64, u32) = redis::cmd("TIME")
-        .query_async(conn)
-        .await
-        .map_err(|e| format!("TIME: {e}"))?;
-    DateTime::from_timestamp(secs, micros * 1000)
-        .ok_or_else(|| "TIME answered an impossible time".to_owned())
-}
-
 fn ms(d: chrono::Duration) -> i64 {
     d.num_milliseconds()
-}
-
-/// A sale's window as the service keeps it (to the millisecond).
-async fn window_of(run: &Run, sku: &str) -> Result<(DateTime<Utc>, DateTime<Utc>), String> {
-    // Every instance learns of a new sale on its next cache refresh; the
-    // window is asked of each until each knows it.
-    let mut body = serde_json::Value::Null;
-    for api in run.apis() {
-        body = testkit::within(Duration::from_secs(10), "the sale's window", || async {
-            let resp = api.sale(sku).send().await.ok()?;
-            if !resp.status().is_success() {
-                return None;
-            }
-            resp.json::<serde_json::Value>().await.ok()
-        })
-        .await?;
-    }
-    let at = |field: &str| {
-        serde_json::from_value::<DateTime<Utc>>(body[field].clone())
-            .map_err(|e| format!("the sale's {field}: {e}: {body}"))
-    };
-    Ok((at("starts_at")?, at("ends_at")?))
 }
 
 /// `server_time` on every instance between two readings of Redis's clock; a
@@ -695,34 +657,4 @@ async fn room_sale(run: &Run) -> Result<(Side, String), String> {
         last.given, last.expired_total
     );
     Ok((side, pace))
-}
-
-/// Every order of `side` was written after its sale opened and before `now`,
-/// and none was cancelled before its payment deadline, by Redis's clock.
-async fn orders_follow_the_clock(run: &Run, side: &Side, now: DateTime<Utc>) -> Result<(), String> {
-    let tolerance = chrono::Duration::milliseconds(TOLERANCE_MS);
-    let pool = sqlx::MySqlPool::connect(&run.root_mysql_url)
-        .await
-        .map_err(|e| e.to_string())?;
-    let counts: Result<(i64, i64), String> = sqlx::query_as(
-        "SELECT \
-           CAST(COALESCE(SUM(created_at < ? OR created_at > ?), 0) AS SIGNED), \
-           CAST(COALESCE(SUM(status = 'cancelled' AND (cancelled_at < expires_at OR expires_at > ?)), 0) AS SIGNED) \
-         FROM orders WHERE activity_id = ?",
-    )
-    .bind((side.starts_at - tolerance).naive_utc())
-    .bind((now + tolerance).naive_utc())
-    .bind(now.naive_utc())
-    .bind(&side.activity_id)
-    .fetch_one(&pool)
-    .await
-    .map_err(|e| e.to_string());
-    pool.close().await;
-    match counts? {
-        (0, 0) => Ok(()),
-        (outside, early) => Err(format!(
-            "{}: {outside} orders written outside [starts_at, now] and {early} cancelled before their deadline, by Redis's clock",
-            side.name
-        )),
-    }
 }
