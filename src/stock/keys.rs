@@ -137,6 +137,9 @@ pub struct RoomKeys {
     pub journal: String,
     /// Held by the instance copying the journal to MySQL.
     pub journal_lock: String,
+    /// Joiners MySQL is known to have recorded: joining again costs MySQL
+    /// nothing for them.
+    pub recorded: String,
 }
 
 impl RoomKeys {
@@ -158,10 +161,11 @@ impl RoomKeys {
             meta: key("meta"),
             journal: key("journal"),
             journal_lock: key("journal-lock"),
+            recorded: key("recorded"),
         }
     }
 
-    pub fn all(&self) -> [&str; 9] {
+    pub fn all(&self) -> [&str; 10] {
         [
             &self.joined,
             &self.late,
@@ -172,6 +176,7 @@ impl RoomKeys {
             &self.meta,
             &self.journal,
             &self.journal_lock,
+            &self.recorded,
         ]
     }
 }

@@ -5,8 +5,8 @@
 -- come back (a top-up, a lapse refunded, a repair) the next step reopens it and
 -- the line moves on from where it stood.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock,
+--       recorded (see RoomKeys)
 -- ARGV[1] now (ms), ARGV[2] units left, ARGV[3] "1" when no unit can come back,
 -- ARGV[4] admitted until (ms) for those admitted now, ARGV[5] the sale's end
 -- (ms): from then on, by Redis's clock, the room stays closed (`ended`)
@@ -51,11 +51,15 @@ local admitted = 0
 if room > 0 then
   local next = redis.call("ZPOPMIN", KEYS[4], room)
   for i = 1, #next, 2 do
-    redis.call("ZADD", KEYS[5], ARGV[4], next[i])
-    -- Journalled with its end: a rebuilt room knows the turn ran out even if
-    -- its `expired` entry is lost with Redis before it is copied.
-    redis.call("RPUSH", KEYS[8], "admitted\t" .. next[i] .. "\t" .. ARGV[4])
-    admitted = admitted + 1
+    -- A user settled already (by an instance's restore that ran after the
+    -- one that queued them, while a lost room was rebuilt) gets no turn.
+    if redis.call("HEXISTS", KEYS[6], next[i]) == 0 then
+      redis.call("ZADD", KEYS[5], ARGV[4], next[i])
+      -- Journalled with its end: a rebuilt room knows the turn ran out even
+      -- if its `expired` entry is lost with Redis before it is copied.
+      redis.call("RPUSH", KEYS[8], "admitted\t" .. next[i] .. "\t" .. ARGV[4])
+      admitted = admitted + 1
+    end
   end
   if admitted > 0 then
     redis.call("HINCRBY", KEYS[7], "admitted", admitted)

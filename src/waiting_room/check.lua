@@ -6,8 +6,8 @@
 -- answers (a failover or a restart may have lost the last writes) and Redis's
 -- clock.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock,
+--       recorded (see RoomKeys)
 -- ARGV[1] the user of the last join learnt, ARGV[2] its arrival number ("" and
 --         "" when none)
 --

@@ -1,8 +1,8 @@
 -- Commits the draw once its order is in the queue: records the seed, and queues
 -- everyone who joined late behind the drawn, in arrival order.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock,
+--       recorded (see RoomKeys)
 -- ARGV[1] seed, ARGV[2] how many were drawn, ARGV[3] the place offset of late joiners
 --
 -- Returns 1 when this call committed it, 0 when it was committed before.

@@ -5,8 +5,8 @@
 -- Redis lost it gets its joiners back too; users whose turn is settled or held
 -- are left out of the line.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock,
+--       recorded (see RoomKeys)
 -- ARGV[1] the draw's seed, ARGV[2] the place before the first user,
 -- ARGV[3..] user, arrival number, user, arrival number, …
 --

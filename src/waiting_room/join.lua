@@ -10,7 +10,8 @@
 --         if this join creates the room
 --
 -- Returns {1, ticket, "early" | "late", place…, generation} joined now, {0,
--- ticket, "early" | "late", place…, generation} joined before, {-1, "", "", "none", "", -1,
+-- ticket, "early" | "late", place…, generation} joined before (2 instead of
+-- 0: and MySQL is known to have recorded it, see `recorded` in RoomKeys), {-1, "", "", "none", "", -1,
 -- -1, ""} the room is being rebuilt (try again shortly); place… is `place`'s
 -- four values. The generation names this room's life in Redis: a room Redis
 -- lost and a join created again has another (instances that remember joins
@@ -24,7 +25,8 @@ end
 local early = redis.call("ZSCORE", KEYS[1], ARGV[1])
 local seq = early or redis.call("ZSCORE", KEYS[2], ARGV[1])
 if seq then
-  return answer(0, seq, early and "early" or "late")
+  local recorded = redis.call("SISMEMBER", KEYS[10], ARGV[1]) == 1
+  return answer(recorded and 2 or 0, seq, early and "early" or "late")
 end
 -- One clock for every instance: Redis's.
 local t = redis.call("TIME")

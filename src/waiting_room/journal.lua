@@ -4,8 +4,8 @@
 -- copied and lets the lock go; a holder whose lock ran out (another instance
 -- may have copied and dropped the same entries) drops nothing.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock,
+--       recorded (see RoomKeys)
 -- ARGV[1] token, ARGV[2] lock ms, ARGV[3] "take" | "trim", ARGV[4] how many
 --
 -- Returns the entries taken (take), or {n} the entries dropped (trim).

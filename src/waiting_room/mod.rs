@@ -122,8 +122,13 @@ pub enum Turn {
 enum Joined {
     /// Joined just now, with this arrival number, `early` or `late`.
     Now { seq: String, kind: String },
-    /// Joined before, with this arrival number, `early` or `late`.
-    Before { seq: String, kind: String },
+    /// Joined before, with this arrival number, `early` or `late`; whether
+    /// MySQL is known to have recorded the join.
+    Before {
+        seq: String,
+        kind: String,
+        recorded: bool,
+    },
     /// The room is being rebuilt after Redis lost it.
     Rebuilding,
 }
@@ -155,7 +160,8 @@ type AdmitReply = (i64, i64, i64, String, i64, i64, i64, String);
 type JoinReply = (i64, String, String, String, String, i64, i64, String);
 
 impl Joined {
-    /// `{1, seq, kind, …}` joined now, `{0, seq, "", …}` joined before,
+    /// `{1, seq, kind, …}` joined now, `{0, seq, kind, …}` joined before (`2`:
+    /// and recorded in MySQL),
     /// `{-1, "", "", …}` rebuilding; the place's values in `…`.
     fn decode((code, seq, kind, ..): &JoinReply) -> Self {
         match *code {
@@ -164,9 +170,10 @@ impl Joined {
                 kind: kind.clone(),
             },
             c if c < 0 => Joined::Rebuilding,
-            _ => Joined::Before {
+            c => Joined::Before {
                 seq: seq.clone(),
                 kind: kind.clone(),
+                recorded: c == 2,
             },
         }
     }
@@ -290,7 +297,7 @@ impl WaitingRoom {
         orders: OrderRepo,
         settings: WaitingRoomSettings,
     ) -> Self {
-        let joins = JoinRecorder::start(pool.clone());
+        let joins = JoinRecorder::start(pool.clone(), conn.clone());
         let settings_remembered = settings.remembered_joins;
         let tick = Duration::from_millis(settings.tick_ms);
         WaitingRoom {
@@ -361,15 +368,22 @@ impl WaitingRoom {
         let joined = Joined::decode(&reply);
         let (.., state, seq, ahead, until, gen) = reply;
         let place = Place::decode(a, (state, seq, ahead, until));
-        let (seq, kind, now_joined) = match joined {
+        let (seq, kind, now_joined, recorded) = match joined {
             Joined::Rebuilding => return Ok(Joining::Rebuilding),
-            Joined::Now { seq, kind } => (seq, kind, true),
-            Joined::Before { seq, kind } => (seq, kind, false),
+            Joined::Now { seq, kind } => (seq, kind, true, false),
+            Joined::Before {
+                seq,
+                kind,
+                recorded,
+            } => (seq, kind, false, recorded),
         };
-        let recorded = match seq.parse() {
-            Ok(n) => self.joins.record(&a.id, &gen, user, &kind, n).await,
-            Err(_) => false,
-        };
+        // A join MySQL is known to have costs it nothing again (a reload, a
+        // second tab, a poll through POST), even while MySQL is down.
+        let recorded = recorded
+            || match seq.parse() {
+                Ok(n) => self.joins.record(a, &gen, user, &kind, n).await,
+                Err(_) => false,
+            };
         self.early.learn(a, user, &seq, &place, &gen, now);
         Ok(match recorded {
             true => Joining::Joined {
@@ -475,7 +489,8 @@ impl WaitingRoom {
     /// Where `user` stood when the sale ended, from MySQL, for an ended sale
     /// whose room Redis no longer holds (its state removed after the
     /// retention, or lost): the answer Redis gave once the room closed, a
-    /// buyer `admitted` (reserved), a turn that ran out `expired`, anyone else
+    /// buyer `admitted` (reserved), a turn that ran out (or was given and not
+    /// used: by the end it ran out) `expired`, anyone else
     /// who joined `sold_out`, with their ticket (their arrival number, from
     /// the journal or the draw); `None` for a user who never joined. Nothing
     /// changes these any more, so each instance keeps them (up to
@@ -487,13 +502,19 @@ impl WaitingRoom {
         {
             return Ok(place.clone());
         }
-        let rows: Vec<(String, u64)> = sqlx::query_as(
+        // A buyer is one by their order, whether or not their settled turn
+        // was journalled before Redis lost it.
+        let mut rows: Vec<(String, u64)> = sqlx::query_as(
             "SELECT CAST(kind AS CHAR), CAST(COALESCE(joined_seq, 0) AS UNSIGNED) \
              FROM waiting_room_journal WHERE activity_id = ? AND user_id = ? \
              UNION ALL \
              SELECT 'drawn', joined_seq FROM waiting_room_entries \
-             WHERE activity_id = ? AND user_id = ?",
+             WHERE activity_id = ? AND user_id = ? \
+             UNION ALL \
+             SELECT 'reserved', CAST(0 AS UNSIGNED) FROM orders WHERE activity_id = ? AND holder = ?",
         )
+        .bind(&a.id)
+        .bind(user)
         .bind(&a.id)
         .bind(user)
         .bind(&a.id)
@@ -501,6 +522,12 @@ impl WaitingRoom {
         .fetch_all(&self.pool)
         .await
         .context("reading the room's journal")?;
+        rows.extend(
+            load_turns(&self.pool, &a.id, Some(user))
+                .await?
+                .into_iter()
+                .map(|(_, kind, ends)| (kind, ends)),
+        );
         let place = ended_place(a, &rows);
         let mut ended = lock_ended(&self.ended);
         let held: usize = ended.values().map(HashMap::len).sum();
@@ -843,6 +870,7 @@ impl WaitingRoom {
         // its next life are labelled with this one, which only makes the draw
         // read the journal back (never the other way round).
         let gen = self.generation(a).await?.unwrap_or_default();
+        let keys = RoomKeys::new(&a.id, a.stock_shards);
         let lock_ms = JOURNAL_LOCK.as_millis().to_string();
         for _ in 0..JOURNAL_BATCHES {
             let entries: Vec<String> = self
@@ -855,8 +883,13 @@ impl WaitingRoom {
             if entries.is_empty() {
                 return Ok(());
             }
-            let rows: Vec<JournalRow> = entries.iter().filter_map(|e| parse_entry(e)).collect();
+            let (turns, rows): (Vec<JournalRow>, Vec<JournalRow>) = entries
+                .iter()
+                .filter_map(|e| parse_entry(e))
+                .partition(|(_, kind, _)| kind == "admitted");
             record_journal(&self.pool, &a.id, &gen, &rows).await?;
+            record_turns(&self.pool, &a.id, &turns).await?;
+            mark_recorded(&self.conn, &keys.recorded, &rows).await;
             let _: Vec<i64> = self
                 .run(
                     a,
@@ -885,6 +918,8 @@ struct JoinRecorder {
 
 struct PendingJoin {
     activity_id: String,
+    /// The room's set of joiners known to be recorded (`RoomKeys::recorded`).
+    recorded_key: String,
     /// The room's generation in Redis the join was answered from.
     gen: String,
     row: JournalRow,
@@ -898,7 +933,7 @@ const JOIN_QUEUE: usize = 100_000;
 const JOIN_INSERTS: usize = 4;
 
 impl JoinRecorder {
-    fn start(pool: MySqlPool) -> Self {
+    fn start(pool: MySqlPool, conn: RedisConn) -> Self {
         let (queue, mut pending) = tokio::sync::mpsc::channel::<PendingJoin>(JOIN_QUEUE);
         let inserts = Arc::new(tokio::sync::Semaphore::new(JOIN_INSERTS));
         tokio::spawn(async move {
@@ -911,14 +946,22 @@ impl JoinRecorder {
                         _ => break,
                     }
                 }
-                let mut by_room: HashMap<(String, String), Vec<PendingJoin>> = HashMap::new();
-                for join in batch {
+                let mut by_room: HashMap<(String, String, String), Vec<PendingJoin>> =
+                    HashMap::new();
+                // A join whose request gave up (answered `503`) is left to the
+                // journal's copy: a backlog after MySQL's return is not made of
+                // joins nobody waits for.
+                for join in batch.into_iter().filter(|j| !j.done.is_closed()) {
                     by_room
-                        .entry((join.activity_id.clone(), join.gen.clone()))
+                        .entry((
+                            join.activity_id.clone(),
+                            join.gen.clone(),
+                            join.recorded_key.clone(),
+                        ))
                         .or_default()
                         .push(join);
                 }
-                for ((activity_id, gen), joins) in by_room {
+                for ((activity_id, gen, recorded_key), joins) in by_room {
                     // A few inserts at once: a join waits for its own, and a
                     // crowd arriving at the room's opening is not answered
                     // `503` for a queue of batches ahead of it.
@@ -926,10 +969,12 @@ impl JoinRecorder {
                         return;
                     };
                     let pool = pool.clone();
+                    let conn = conn.clone();
                     tokio::spawn(async move {
                         let rows: Vec<JournalRow> = joins.iter().map(|j| j.row.clone()).collect();
                         match record_journal(&pool, &activity_id, &gen, &rows).await {
                             Ok(()) => {
+                                mark_recorded(&conn, &recorded_key, &rows).await;
                                 for join in joins {
                                     let _ = join.done.send(());
                                 }
@@ -948,10 +993,11 @@ impl JoinRecorder {
 
     /// Records a join and waits for it, at most [`JOIN_RECORD_TIMEOUT`];
     /// whether MySQL has it.
-    async fn record(&self, activity_id: &str, gen: &str, user: &str, kind: &str, seq: u64) -> bool {
+    async fn record(&self, a: &Activity, gen: &str, user: &str, kind: &str, seq: u64) -> bool {
         let (done, recorded) = tokio::sync::oneshot::channel();
         let join = PendingJoin {
-            activity_id: activity_id.to_owned(),
+            activity_id: a.id.clone(),
+            recorded_key: RoomKeys::new(&a.id, a.stock_shards).recorded,
             gen: gen.to_owned(),
             row: (user.to_owned(), kind.to_owned(), seq),
             done,
@@ -985,10 +1031,8 @@ fn parse_entry(entry: &str) -> Option<JournalRow> {
 
 /// Records journal rows of the room's life `gen` in Redis ("" when unknown:
 /// such a row counts as another life's, and the draw reads the journal back).
-/// On a table `flashsale migrate` has not given the `admitted` kind yet (an
-/// instance of this release may run against the last one's schema for a
-/// while), `INSERT IGNORE` stores a turn given with an empty kind, which every
-/// reader ignores: the rest of the journal is copied all the same.
+/// Rows go in in key order, so that two inserts of overlapping rows (the
+/// join recorder's, the journal's copy) take their locks in the same order.
 async fn record_journal(
     pool: &MySqlPool,
     activity_id: &str,
@@ -998,12 +1042,14 @@ async fn record_journal(
     if rows.is_empty() {
         return Ok(());
     }
+    let mut rows = rows.to_vec();
+    rows.sort_by(|x, y| (&x.0, &x.1).cmp(&(&y.0, &y.1)));
     let mut q = sqlx::QueryBuilder::new(
         "INSERT IGNORE INTO waiting_room_journal (activity_id, user_id, kind, joined_seq, recorded_at, gen) ",
     );
     let at = Utc::now().naive_utc();
     let gen = (!gen.is_empty()).then_some(gen);
-    q.push_values(rows, |mut b, (user, what, seq)| {
+    q.push_values(&rows, |mut b, (user, what, seq)| {
         b.push_bind(activity_id)
             .push_bind(user)
             .push_bind(what)
@@ -1016,6 +1062,101 @@ async fn record_journal(
         .await
         .context("recording the waiting room's journal")?;
     Ok(())
+}
+
+/// Records the turns given (`admitted` entries: the user and the turn's end),
+/// keeping the later end of a turn given again after a rebuild. Until
+/// `flashsale migrate` has made their table (an instance of this release may
+/// run against the last one's schema for a while) they are dropped, and the
+/// rest of the journal is copied all the same.
+async fn record_turns(
+    pool: &MySqlPool,
+    activity_id: &str,
+    rows: &[JournalRow],
+) -> anyhow::Result<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut rows = rows.to_vec();
+    rows.sort();
+    let mut q = sqlx::QueryBuilder::new(
+        "INSERT INTO waiting_room_turns (activity_id, user_id, ends_at_ms) ",
+    );
+    q.push_values(&rows, |mut b, (user, _, ends)| {
+        b.push_bind(activity_id).push_bind(user).push_bind(*ends);
+    });
+    q.push(" ON DUPLICATE KEY UPDATE ends_at_ms = GREATEST(ends_at_ms, VALUES(ends_at_ms))");
+    match q.build().execute(pool).await {
+        Ok(_) => Ok(()),
+        Err(err) if no_such_table(&err) => {
+            tracing::warn!(%activity_id, turns = rows.len(), "turns given not recorded: the table waiting_room_turns is missing (run `flashsale migrate`)");
+            Ok(())
+        }
+        Err(err) => Err(err).context("recording the waiting room's turns"),
+    }
+}
+
+/// The turns a room gave, as `admitted` journal rows (none before `flashsale
+/// migrate` made their table).
+async fn load_turns(
+    pool: &MySqlPool,
+    activity_id: &str,
+    user: Option<&str>,
+) -> anyhow::Result<Vec<JournalRow>> {
+    let rows: Result<Vec<(String, u64)>, sqlx::Error> = match user {
+        None => sqlx::query_as(
+            "SELECT CAST(user_id AS CHAR), ends_at_ms FROM waiting_room_turns WHERE activity_id = ?",
+        )
+        .bind(activity_id)
+        .fetch_all(pool)
+        .await,
+        Some(user) => sqlx::query_as(
+            "SELECT CAST(user_id AS CHAR), ends_at_ms FROM waiting_room_turns \
+             WHERE activity_id = ? AND user_id = ?",
+        )
+        .bind(activity_id)
+        .bind(user)
+        .fetch_all(pool)
+        .await,
+    };
+    match rows {
+        Ok(rows) => Ok(rows
+            .into_iter()
+            .map(|(user, ends)| (user, "admitted".to_owned(), ends))
+            .collect()),
+        Err(err) if no_such_table(&err) => Ok(Vec::new()),
+        Err(err) => Err(err).context("reading the waiting room's turns"),
+    }
+}
+
+/// Whether MySQL answered that a table does not exist (1146).
+fn no_such_table(err: &sqlx::Error) -> bool {
+    err.as_database_error()
+        .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+        .is_some_and(|e| e.number() == 1146)
+}
+
+/// Marks joiners of `rows` as recorded in MySQL (see `RoomKeys::recorded`),
+/// so that joining again costs MySQL nothing. Best effort: a joiner left
+/// unmarked is recorded again (`INSERT IGNORE`) when they join again.
+async fn mark_recorded(conn: &RedisConn, key: &str, rows: &[JournalRow]) {
+    let users: Vec<&str> = rows
+        .iter()
+        .filter(|(_, kind, _)| kind == "early" || kind == "late")
+        .map(|(user, _, _)| user.as_str())
+        .collect();
+    if users.is_empty() {
+        return;
+    }
+    let mut conn = conn.clone();
+    if let Err(err) = redis::cmd("SADD")
+        .arg(key)
+        .arg(&users)
+        .query_async::<i64>(&mut conn)
+        .await
+    {
+        tracing::debug!(error = %err, "marking joins recorded failed; joining again records them again");
+    }
 }
 
 impl WaitingRoom {
@@ -1097,6 +1238,7 @@ async fn load_journal(pool: &MySqlPool, activity_id: &str) -> anyhow::Result<Vec
             .filter(|u| !journalled.contains(u))
             .map(|u| (u, "reserved".to_owned(), 0)),
     );
+    rows.extend(load_turns(pool, activity_id, None).await?);
     Ok(rows)
 }
 
@@ -1328,7 +1470,16 @@ mod tests {
             Joined::decode(&waiting(0, "7", "early")),
             Joined::Before {
                 seq: s("7"),
-                kind: s("early")
+                kind: s("early"),
+                recorded: false
+            }
+        );
+        assert_eq!(
+            Joined::decode(&waiting(2, "7", "late")),
+            Joined::Before {
+                seq: s("7"),
+                kind: s("late"),
+                recorded: true
             }
         );
         assert_eq!(

@@ -1,8 +1,8 @@
 -- A user's place in the waiting room: the function `place` that `status.lua`
 -- and `join.lua` both call (each script is this file followed by its own).
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock,
+--       recorded (see RoomKeys)
 --
 -- place(user, now ms) returns {state, ticket, users ahead (-1: not drawn yet or
 -- not waiting), admitted until ms (-1: not admitted)}; state "none" when never

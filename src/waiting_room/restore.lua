@@ -6,8 +6,8 @@
 -- and the commit queues the late joiners behind the drawn again. Running
 -- this twice changes nothing.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock,
+--       recorded (see RoomKeys)
 -- ARGV[1..] triples: user, `early` | `late` | `admitted` | `reserved` |
 --           `expired`, arrival number (early and late) or the turn's end in
 --           ms (admitted); other kinds are ignored

@@ -4,8 +4,8 @@
 -- joiner, and no join slips in between that read and the draw's commit. The arrival counter is raised to what MySQL knows was given (a room
 -- rebuilt after a loss), so no ticket is given twice.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock,
+--       recorded (see RoomKeys)
 -- ARGV[1] the draw is due at (ms), ARGV[2] the highest arrival number recorded
 --
 -- Returns {"due"}, or {"early"} before then.

@@ -3,8 +3,8 @@
 -- when the turn ran out while the reservation was in flight, or the user is
 -- back in line: they hold a reservation, and are a buyer from now on.
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock,
+--       recorded (see RoomKeys)
 -- ARGV[1] user id
 --
 -- Returns 1 when this call settled it, 0 when it was settled before.

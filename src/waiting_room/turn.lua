@@ -1,8 +1,8 @@
 -- Whether a user may reserve now: admitted and within their turn, or already
 -- settled `reserved` (they then hear `already_reserved` from the reserve script).
 --
--- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock
---       (see RoomKeys)
+-- KEYS: joined, late, seq, queue, admitted, outcome, meta, journal, journal lock,
+--       recorded (see RoomKeys)
 -- ARGV[1] user id, ARGV[2] now (ms)
 --
 -- Returns 1 (may reserve), 2 (their turn ran out: they may still hold a

@@ -276,7 +276,8 @@ async fn a_turn_not_taken_goes_to_the_next_user() {
 
 /// What waiting costs Redis, counted by `MONITOR` (the commands scripts run
 /// included): a join is one script call, which answers the place too (a
-/// repeated join as well: it repairs a join Redis lost); before the start, a
+/// repeated join as well: it repairs a join Redis lost), and its mark once
+/// MySQL recorded it; before the start, a
 /// poll of a user the instance saw join costs Redis nothing, and answers what
 /// Redis answered. An unknown user is still asked of Redis (and is `404`).
 #[tokio::test]
@@ -318,7 +319,20 @@ async fn a_join_is_one_script_call_and_polls_before_the_start_cost_redis_nothing
     let lines = app.watched(&sale, watch).await;
     let elapsed = started.elapsed();
     let (calls, other) = script_calls(&lines);
+    // Outside the scripts only the marks of joins MySQL recorded (so that
+    // joining again costs MySQL nothing): one for each new join at most (a
+    // batch of joins is marked at once), none for the repeated ones.
+    let recorded = flashsale::stock::RoomKeys::new(&sale.id, sale.shards).recorded;
+    let (marks, other): (Vec<&String>, Vec<&String>) = other.iter().partition(|l| {
+        let w = words(l);
+        w.first().is_some_and(|c| c.eq_ignore_ascii_case("SADD"))
+            && w.get(1).is_some_and(|k| *k == recorded)
+    });
     assert!(other.is_empty(), "commands outside the scripts: {other:?}");
+    assert!(
+        !marks.is_empty() && marks.len() <= users.len(),
+        "the new joins marked recorded, at most once each: {marks:?}"
+    );
     let inner = |run: &[&String]| -> Vec<String> {
         run.iter()
             .filter_map(|l| words(l).first().map(|w| w.to_uppercase()))
@@ -1018,6 +1032,33 @@ async fn a_room_rebuilt_keeps_its_buyers_expired_turns_and_late_joiners() {
     app.stop().await;
 }
 
+/// The turns given to the sale's `user` MySQL holds.
+async fn turns_recorded(app: &TestApp, id: &str, user: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM waiting_room_turns WHERE activity_id = ? AND user_id = ?",
+    )
+    .bind(id)
+    .bind(user)
+    .fetch_one(&app.state.pool)
+    .await
+    .expect("the turns")
+}
+
+/// No instance copies the room's journal to MySQL from now on (the copier's
+/// lock in Redis is held for a minute, or until the room is lost).
+async fn hold_the_journal(app: &TestApp, id: &str) {
+    let keys = flashsale::stock::RoomKeys::new(id, 1);
+    let mut conn = app.state.stock.connection();
+    let _: () = redis::cmd("SET")
+        .arg(&keys.journal_lock)
+        .arg("held-by-the-test")
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut conn)
+        .await
+        .expect("SET");
+}
+
 /// The journal rows of `kind` MySQL holds for the sale's `user`.
 async fn journalled(app: &TestApp, id: &str, user: &str, kind: &str) -> i64 {
     sqlx::query_scalar(
@@ -1036,7 +1077,7 @@ async fn journalled(app: &TestApp, id: &str, user: &str, kind: &str) -> i64 {
 /// rebuilt: the turn was journalled with its end when it was given.
 #[tokio::test]
 async fn a_turn_run_out_just_before_a_loss_stays_run_out() {
-    let app = TestApp::builder().turn_secs(2).spawn().await;
+    let app = TestApp::builder().turn_secs(5).spawn().await;
     let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
     let users = ["t0", "t1", "t2"];
     for u in users {
@@ -1045,22 +1086,13 @@ async fn a_turn_run_out_just_before_a_loss_stays_run_out() {
     let first = admitted_one(&app, &sku, &users).await;
     eventually(
         Duration::from_secs(10),
-        "the turn given journalled",
-        || async { (journalled(&app, &id, &first, "admitted").await == 1).then_some(()) },
+        "the turn given recorded",
+        || async { (turns_recorded(&app, &id, &first).await == 1).then_some(()) },
     )
     .await;
-    // From here on no instance copies the journal (the copier's lock is held),
-    // as in the moment before a loss.
-    let keys = flashsale::stock::RoomKeys::new(&id, 1);
-    let mut conn = app.state.stock.connection();
-    let _: () = redis::cmd("SET")
-        .arg(&keys.journal_lock)
-        .arg("held-by-the-test")
-        .arg("PX")
-        .arg(60_000)
-        .query_async(&mut conn)
-        .await
-        .expect("SET");
+    // From here on no instance copies the journal, as in the moment before a
+    // loss.
+    hold_the_journal(&app, &id).await;
     all_told(&app, &sku, &[&first], "expired", Duration::from_secs(10)).await;
     assert_eq!(
         journalled(&app, &id, &first, "expired").await,
@@ -1074,7 +1106,7 @@ async fn a_turn_run_out_just_before_a_loss_stays_run_out() {
     })
     .await;
     // The unit goes to the next in line; the first has had their turn, and
-    // is told so at every look (a second turn would show for two seconds).
+    // is told so at every look (a second turn would show for five seconds).
     let next = eventually(Duration::from_secs(10), "the next turn", || async {
         let p = place(&app, &sku, &first).await;
         assert_eq!(p["state"], "expired", "no second turn for {first}: {p}");
@@ -1097,19 +1129,16 @@ async fn a_turn_run_out_just_before_a_loss_stays_run_out() {
     app.stop().await;
 }
 
-/// Before `flashsale migrate` gives the journal's table the `admitted` kind
-/// (an instance of this release on the last one's schema), the turns given
-/// are not kept, and everything else in the journal is copied all the same.
+/// Before `flashsale migrate` makes the table of turns given (an instance of
+/// this release on the last one's schema), turns are not kept, and everything
+/// else in the journal is copied and read back all the same.
 #[tokio::test]
-async fn a_journal_table_not_migrated_yet_still_takes_the_rest() {
+async fn a_database_not_migrated_yet_still_takes_the_rest_of_the_journal() {
     let app = TestApp::builder().turn_secs(2).spawn().await;
-    sqlx::query(
-        "ALTER TABLE waiting_room_journal \
-         MODIFY kind ENUM('early', 'late', 'reserved', 'expired') NOT NULL",
-    )
-    .execute(&app.state.pool)
-    .await
-    .expect("the last release's table");
+    sqlx::query("DROP TABLE waiting_room_turns")
+        .execute(&app.state.pool)
+        .await
+        .expect("the last release's schema");
     let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
     let users = ["m0", "m1", "m2"];
     for u in users {
@@ -1122,39 +1151,81 @@ async fn a_journal_table_not_migrated_yet_still_takes_the_rest() {
         StatusCode::CREATED
     );
     eventually(Duration::from_secs(10), "the expiry copied", || async {
-        (journalled(&app, &id, &first, "expired").await == 1).then_some(())
+        (journalled(&app, &id, &first, "expired").await == 1
+            && journalled(&app, &id, "latecomer", "late").await == 1)
+            .then_some(())
     })
     .await;
-    assert_eq!(journalled(&app, &id, "latecomer", "late").await, 1);
-    assert_eq!(journalled(&app, &id, &first, "admitted").await, 0);
+    let seed = room(&app, &id).await["seed"].clone();
+    lose_room(&app, &id, 1).await;
+    eventually(Duration::from_secs(10), "the room rebuilt", || async {
+        (room(&app, &id).await["seed"] == seed).then_some(())
+    })
+    .await;
+    assert_eq!(place(&app, &sku, &first).await["state"], "expired");
     app.stop().await;
 }
 
-/// A join is answered only once MySQL has it: while MySQL cannot record it
-/// (the journal's table locked, as a slow or stalled MySQL would), `503`, the
-/// user in line in Redis all the same; joining again once MySQL answers
-/// records it before the answer, with the same ticket.
-#[tokio::test]
-async fn a_join_is_answered_once_mysql_has_it() {
-    let app = spawn_app().await;
-    let (id, sku) = room_sale(&app, 5, Duration::from_secs(60)).await;
+/// Locks the journal's table on a connection of its own, as a stalled MySQL
+/// would hold it, until [`unlock`].
+async fn lock_the_journal(app: &TestApp) -> sqlx::pool::PoolConnection<sqlx::MySql> {
     let mut lock = app.state.pool.acquire().await.expect("a connection");
     sqlx::query("LOCK TABLES waiting_room_journal WRITE")
         .execute(&mut *lock)
         .await
         .expect("LOCK TABLES");
-    let resp = app.join_queue(&sku, "slow").await;
-    assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    lock
+}
+
+async fn unlock(mut lock: sqlx::pool::PoolConnection<sqlx::MySql>) {
     sqlx::query("UNLOCK TABLES")
         .execute(&mut *lock)
         .await
         .expect("UNLOCK TABLES");
-    drop(lock);
+}
+
+/// A join is answered only once MySQL has it: while MySQL cannot record it
+/// (the journal's table locked, as a slow or stalled MySQL would, and the
+/// insert then failing), `503`, the user in line in Redis all the same;
+/// joining again once MySQL answers records it before the answer, with the
+/// same ticket; after that, joining again answers at once while MySQL is
+/// stuck again (a reload, a second tab).
+#[tokio::test]
+async fn a_join_is_answered_once_mysql_has_it() {
+    let app = spawn_app().await;
+    let (id, sku) = room_sale(&app, 5, Duration::from_secs(60)).await;
+    hold_the_journal(&app, &id).await;
+    let lock = lock_the_journal(&app).await;
+    let resp = app.join_queue(&sku, "slow").await;
+    assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    // The insert that waits for the table fails.
+    let stuck: Vec<i64> = sqlx::query_scalar(
+        "SELECT ID FROM information_schema.PROCESSLIST \
+         WHERE DB = DATABASE() AND INFO LIKE 'INSERT IGNORE INTO waiting_room_journal%'",
+    )
+    .fetch_all(&app.state.pool)
+    .await
+    .expect("the process list");
+    assert!(!stuck.is_empty(), "the join's insert waits for the table");
+    for id in stuck {
+        sqlx::query(&format!("KILL QUERY {id}"))
+            .execute(&app.state.pool)
+            .await
+            .expect("KILL QUERY");
+    }
+    unlock(lock).await;
+    assert_eq!(journalled(&app, &id, "slow", "early").await, 0);
     let resp = app.join_queue(&sku, "slow").await;
     assert_eq!(resp.status(), StatusCode::OK, "joined before");
     let ticket = resp.json::<Value>().await.expect("json")["ticket"].clone();
     assert_eq!(journalled(&app, &id, "slow", "early").await, 1);
     assert_eq!(place(&app, &sku, "slow").await["ticket"], ticket);
+    // Recorded: joining again needs MySQL no more.
+    let lock = lock_the_journal(&app).await;
+    let resp = app.join_queue(&sku, "slow").await;
+    assert_eq!(resp.status(), StatusCode::OK, "joined before, MySQL stuck");
+    assert_eq!(resp.json::<Value>().await.expect("json")["ticket"], ticket);
+    unlock(lock).await;
     app.stop().await;
 }
 
