@@ -359,6 +359,7 @@ async fn campaign(
         active: Arc::new(AtomicUsize::new(plan.users)),
         stop: Arc::new(AtomicBool::new(false)),
     };
+    let cancellations = harness::watch_cancellations(run);
     let busy = start_buyers(plan, run, &crowd).await?;
     let reconciles = Arc::new(AtomicUsize::new(0));
     let hammer = tokio::spawn(harness::hammer_reconcile(
@@ -404,6 +405,16 @@ async fn campaign(
     // sale opened or cancelled before its deadline, by Redis's clock.
     if let Err(e) = orders_follow_the_clock_of(run).await {
         outcome.violations.push(format!("one clock: {e}"));
+    }
+    match cancellations.await {
+        Ok(Ok(looks)) if looks > 0 => {}
+        Ok(Ok(_)) => outcome
+            .violations
+            .push("one clock: the cancellations were never looked at".into()),
+        Ok(Err(e)) => outcome.violations.push(format!("one clock: {e}")),
+        Err(e) => outcome
+            .violations
+            .push(format!("one clock: the watch: {e}")),
     }
     println!(
         "campaign: seed {}: payments {:?}, top-ups {:?}, reconcile runs {}",
