@@ -18,6 +18,8 @@ local first = tonumber(ARGV[2])
 local last_seq = tonumber(redis.call("GET", KEYS[3]) or "0")
 for i = 3, #ARGV, 2 do
   local user, seq = ARGV[i], tonumber(ARGV[i + 1])
+  -- The draw is recorded in MySQL first: every drawn user is recorded.
+  redis.call("SADD", KEYS[10], user)
   if not redis.call("ZSCORE", KEYS[1], user) then
     redis.call("ZADD", KEYS[1], seq, user)
   end

@@ -270,6 +270,7 @@ pub struct WaitingRoom {
     status: Lua,
     seal: Lua,
     restore: Lua,
+    mark: Lua,
     journal: Lua,
     check: Lua,
     joins: JoinRecorder,
@@ -318,6 +319,7 @@ impl WaitingRoom {
             )),
             seal: Lua::new(include_str!("seal.lua")),
             restore: Lua::new(include_str!("restore.lua")),
+            mark: Lua::new(include_str!("mark.lua")),
             journal: Lua::new(include_str!("journal.lua")),
             check: Lua::new(include_str!("check.lua")),
             joins,
@@ -889,7 +891,7 @@ impl WaitingRoom {
                 .partition(|(_, kind, _)| kind == "admitted");
             record_journal(&self.pool, &a.id, &gen, &rows).await?;
             record_turns(&self.pool, &a.id, &turns).await?;
-            mark_recorded(&self.conn, &keys.recorded, &rows).await;
+            mark_recorded(&self.conn, &self.mark, &keys, &gen, &rows).await;
             let _: Vec<i64> = self
                 .run(
                     a,
@@ -918,8 +920,8 @@ struct JoinRecorder {
 
 struct PendingJoin {
     activity_id: String,
-    /// The room's set of joiners known to be recorded (`RoomKeys::recorded`).
-    recorded_key: String,
+    /// The room's keys (to mark the join recorded, `mark.lua`).
+    keys: RoomKeys,
     /// The room's generation in Redis the join was answered from.
     gen: String,
     row: JournalRow,
@@ -935,6 +937,7 @@ const JOIN_INSERTS: usize = 4;
 impl JoinRecorder {
     fn start(pool: MySqlPool, conn: RedisConn) -> Self {
         let (queue, mut pending) = tokio::sync::mpsc::channel::<PendingJoin>(JOIN_QUEUE);
+        let mark = Lua::new(include_str!("mark.lua"));
         let inserts = Arc::new(tokio::sync::Semaphore::new(JOIN_INSERTS));
         tokio::spawn(async move {
             while let Some(first) = pending.recv().await {
@@ -946,38 +949,41 @@ impl JoinRecorder {
                         _ => break,
                     }
                 }
-                let mut by_room: HashMap<(String, String, String), Vec<PendingJoin>> =
-                    HashMap::new();
+                let mut by_room: HashMap<(String, String), Vec<PendingJoin>> = HashMap::new();
                 // A join whose request gave up (answered `503`) is left to the
                 // journal's copy: a backlog after MySQL's return is not made of
                 // joins nobody waits for.
                 for join in batch.into_iter().filter(|j| !j.done.is_closed()) {
                     by_room
-                        .entry((
-                            join.activity_id.clone(),
-                            join.gen.clone(),
-                            join.recorded_key.clone(),
-                        ))
+                        .entry((join.activity_id.clone(), join.gen.clone()))
                         .or_default()
                         .push(join);
                 }
-                for ((activity_id, gen, recorded_key), joins) in by_room {
+                for ((activity_id, gen), joins) in by_room {
                     // A few inserts at once: a join waits for its own, and a
                     // crowd arriving at the room's opening is not answered
                     // `503` for a queue of batches ahead of it.
                     let Ok(permit) = inserts.clone().acquire_owned().await else {
                         return;
                     };
-                    let pool = pool.clone();
-                    let conn = conn.clone();
+                    let (pool, conn, mark) = (pool.clone(), conn.clone(), mark.clone());
                     tokio::spawn(async move {
+                        // Those who gave up while the batch waited for its turn
+                        // are left to the copy too.
+                        let joins: Vec<PendingJoin> =
+                            joins.into_iter().filter(|j| !j.done.is_closed()).collect();
+                        let Some(keys) = joins.first().map(|j| j.keys.clone()) else {
+                            return;
+                        };
                         let rows: Vec<JournalRow> = joins.iter().map(|j| j.row.clone()).collect();
                         match record_journal(&pool, &activity_id, &gen, &rows).await {
                             Ok(()) => {
-                                mark_recorded(&conn, &recorded_key, &rows).await;
                                 for join in joins {
                                     let _ = join.done.send(());
                                 }
+                                drop(permit);
+                                mark_recorded(&conn, &mark, &keys, &gen, &rows).await;
+                                return;
                             }
                             Err(err) => {
                                 tracing::warn!(%activity_id, error = %format!("{err:#}"), "recording joins failed; they are answered 503, and the journal copies them later");
@@ -997,7 +1003,7 @@ impl JoinRecorder {
         let (done, recorded) = tokio::sync::oneshot::channel();
         let join = PendingJoin {
             activity_id: a.id.clone(),
-            recorded_key: RoomKeys::new(&a.id, a.stock_shards).recorded,
+            keys: RoomKeys::new(&a.id, a.stock_shards),
             gen: gen.to_owned(),
             row: (user.to_owned(), kind.to_owned(), seq),
             done,
@@ -1031,8 +1037,9 @@ fn parse_entry(entry: &str) -> Option<JournalRow> {
 
 /// Records journal rows of the room's life `gen` in Redis ("" when unknown:
 /// such a row counts as another life's, and the draw reads the journal back).
-/// Rows go in in key order, so that two inserts of overlapping rows (the
-/// join recorder's, the journal's copy) take their locks in the same order.
+/// Rows go in in one order (user, then kind), so that two inserts of
+/// overlapping rows (the join recorder's, the journal's copy) take their locks
+/// in the same order.
 async fn record_journal(
     pool: &MySqlPool,
     activity_id: &str,
@@ -1089,7 +1096,11 @@ async fn record_turns(
     match q.build().execute(pool).await {
         Ok(_) => Ok(()),
         Err(err) if no_such_table(&err) => {
-            tracing::warn!(%activity_id, turns = rows.len(), "turns given not recorded: the table waiting_room_turns is missing (run `flashsale migrate`)");
+            static WARNED: std::sync::atomic::AtomicBool =
+                std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(%activity_id, "turns given are not recorded: the table waiting_room_turns is missing (run `flashsale migrate`)");
+            }
             Ok(())
         }
         Err(err) => Err(err).context("recording the waiting room's turns"),
@@ -1136,26 +1147,35 @@ fn no_such_table(err: &sqlx::Error) -> bool {
         .is_some_and(|e| e.number() == 1146)
 }
 
-/// Marks joiners of `rows` as recorded in MySQL (see `RoomKeys::recorded`),
-/// so that joining again costs MySQL nothing. Best effort: a joiner left
-/// unmarked is recorded again (`INSERT IGNORE`) when they join again.
-async fn mark_recorded(conn: &RedisConn, key: &str, rows: &[JournalRow]) {
+/// How long marking joins recorded may take; past it they stay unmarked.
+const MARK_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Marks the joiners of `rows` as recorded in MySQL (`mark.lua`, in the
+/// room's life `gen` only), after their answers: best effort, within
+/// [`MARK_TIMEOUT`]. A joiner left unmarked is recorded again (`INSERT
+/// IGNORE`) when they join again.
+async fn mark_recorded(
+    conn: &RedisConn,
+    mark: &Lua,
+    keys: &RoomKeys,
+    gen: &str,
+    rows: &[JournalRow],
+) {
     let users: Vec<&str> = rows
         .iter()
         .filter(|(_, kind, _)| kind == "early" || kind == "late")
         .map(|(user, _, _)| user.as_str())
         .collect();
-    if users.is_empty() {
+    if users.is_empty() || gen.is_empty() {
         return;
     }
-    let mut conn = conn.clone();
-    if let Err(err) = redis::cmd("SADD")
-        .arg(key)
-        .arg(&users)
-        .query_async::<i64>(&mut conn)
-        .await
-    {
-        tracing::debug!(error = %err, "marking joins recorded failed; joining again records them again");
+    let mut args = Vec::with_capacity(users.len() + 1);
+    args.push(arg(gen));
+    args.extend(users.into_iter().map(arg));
+    let marked =
+        tokio::time::timeout(MARK_TIMEOUT, invoke::<i64>(conn, mark, &keys.all(), &args)).await;
+    if !matches!(marked, Ok(Ok(_))) {
+        tracing::debug!("marking joins recorded failed; joining again records them again");
     }
 }
 

@@ -21,6 +21,10 @@ local t = redis.call("TIME")
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 for i = 1, #ARGV, 3 do
   local user, what = ARGV[i], ARGV[i + 1]
+  if what == "early" or what == "late" then
+    -- From MySQL: recorded (joining again costs it nothing).
+    redis.call("SADD", KEYS[10], user)
+  end
   if what == "early" then
     local seq = tonumber(ARGV[i + 2])
     if not redis.call("ZSCORE", KEYS[1], user) and not redis.call("ZSCORE", KEYS[2], user) then

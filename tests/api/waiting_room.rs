@@ -290,6 +290,8 @@ async fn a_join_is_one_script_call_and_polls_before_the_start_cost_redis_nothing
     };
     let sale = app.open_sale_spec(&spec).await;
     let users: Vec<String> = (0..5).map(|i| format!("w{i}")).collect();
+    // The journal is not copied meanwhile: the copy marks what it copies too.
+    hold_the_journal(&app, &sale.id).await;
     let watch = app.watch_redis(&sale).await;
     let started = std::time::Instant::now();
     let mut joined = HashMap::new();
@@ -319,20 +321,7 @@ async fn a_join_is_one_script_call_and_polls_before_the_start_cost_redis_nothing
     let lines = app.watched(&sale, watch).await;
     let elapsed = started.elapsed();
     let (calls, other) = script_calls(&lines);
-    // Outside the scripts only the marks of joins MySQL recorded (so that
-    // joining again costs MySQL nothing): one for each new join at most (a
-    // batch of joins is marked at once), none for the repeated ones.
-    let recorded = flashsale::stock::RoomKeys::new(&sale.id, sale.shards).recorded;
-    let (marks, other): (Vec<&String>, Vec<&String>) = other.iter().partition(|l| {
-        let w = words(l);
-        w.first().is_some_and(|c| c.eq_ignore_ascii_case("SADD"))
-            && w.get(1).is_some_and(|k| *k == recorded)
-    });
     assert!(other.is_empty(), "commands outside the scripts: {other:?}");
-    assert!(
-        !marks.is_empty() && marks.len() <= users.len(),
-        "the new joins marked recorded, at most once each: {marks:?}"
-    );
     let inner = |run: &[&String]| -> Vec<String> {
         run.iter()
             .filter_map(|l| words(l).first().map(|w| w.to_uppercase()))
@@ -345,15 +334,24 @@ async fn a_join_is_one_script_call_and_polls_before_the_start_cost_redis_nothing
     let journal = |i: &[String]| matches!(i.first().map(String::as_str), Some("LLEN" | "GET"));
     // (`TIME` and `INFO` name no key, so the watch leaves them out.)
     let check = |i: &[String]| i.starts_with(&["HGET".to_owned(), "GET".to_owned()]);
-    let (mut requests, mut checks) = (Vec::new(), 0);
+    // And the mark of joins MySQL recorded (so that joining again costs MySQL
+    // nothing), after their answers: a batch of joins marked at once.
+    let mark = |i: &[String]| i.starts_with(&["HGET".to_owned(), "SADD".to_owned()]);
+    let (mut requests, mut checks, mut marks) = (Vec::new(), 0, 0);
     for (call, run) in &calls {
         let i = inner(run);
         if check(&i) {
             checks += 1;
+        } else if mark(&i) {
+            marks += 1;
         } else if !journal(&i) {
             requests.push((call, i));
         }
     }
+    assert!(
+        marks >= 1 && marks <= users.len(),
+        "the new joins marked, at most a mark each and none for the repeated ones: {marks}"
+    );
     assert!(
         checks <= elapsed.as_secs() as usize + 2,
         "{checks} checks in {elapsed:?}: at most one a second"
@@ -1220,7 +1218,24 @@ async fn a_join_is_answered_once_mysql_has_it() {
     let ticket = resp.json::<Value>().await.expect("json")["ticket"].clone();
     assert_eq!(journalled(&app, &id, "slow", "early").await, 1);
     assert_eq!(place(&app, &sku, "slow").await["ticket"], ticket);
-    // Recorded: joining again needs MySQL no more.
+    // Recorded, and marked so in Redis once answered: joining again needs
+    // MySQL no more.
+    let recorded = flashsale::stock::RoomKeys::new(&id, 1).recorded;
+    eventually(
+        Duration::from_secs(5),
+        "the join marked recorded",
+        || async {
+            let mut conn = app.state.stock.connection();
+            let marked: bool = redis::cmd("SISMEMBER")
+                .arg(&recorded)
+                .arg("slow")
+                .query_async(&mut conn)
+                .await
+                .ok()?;
+            marked.then_some(())
+        },
+    )
+    .await;
     let lock = lock_the_journal(&app).await;
     let resp = app.join_queue(&sku, "slow").await;
     assert_eq!(resp.status(), StatusCode::OK, "joined before, MySQL stuck");

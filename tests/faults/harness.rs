@@ -1037,55 +1037,66 @@ pub async fn orders_follow_the_clock(
 }
 
 /// Watches the sale's cancellations while it runs, twice a second until
-/// `run.stop`: an order cancelled while its payment deadline is still ahead by
+/// `stop`: an order cancelled while its payment deadline is still ahead by
 /// Redis's clock was cancelled early (a sweeper judging by a clock of its own
 /// that runs ahead). A check once the run is over would come too late for
-/// payment windows of seconds: every deadline has passed by then. Returns the
-/// looks taken, or what the first look that found one saw.
-pub fn watch_cancellations(run: &Run) -> tokio::task::JoinHandle<Result<usize, String>> {
-    let (url, redis_url, activity_id, stop) = (
+/// payment windows of seconds: every deadline has passed by then. Each look
+/// reads the latest deadline among cancelled orders, then Redis's clock: an
+/// order seen cancelled was cancelled before that reading, however long the
+/// query waited (MySQL struck). Returns the looks taken, or what the first
+/// look that found one saw.
+pub fn watch_cancellations(
+    run: &Run,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<Result<usize, String>> {
+    let (url, redis_url, activity_id) = (
         run.root_mysql_url.clone(),
         run.redis_url(),
         run.activity_id.clone(),
-        run.stop.clone(),
     );
     tokio::spawn(async move {
         let pool = sqlx::MySqlPool::connect(&url)
             .await
             .map_err(|e| e.to_string())?;
         let client = redis::Client::open(redis_url).map_err(|e| e.to_string())?;
-        let mut looks = 0;
         let tolerance = chrono::Duration::milliseconds(CLOCK_TOLERANCE_MS);
-        while !stop.load(Ordering::SeqCst) {
+        let mut looks = 0;
+        let result = loop {
+            if stop.load(Ordering::SeqCst) {
+                break Ok(looks);
+            }
             tokio::time::sleep(Duration::from_millis(500)).await;
             // A look that cannot be taken (Redis or MySQL struck) is skipped.
-            let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+            let latest: Result<Option<(chrono::NaiveDateTime, String)>, sqlx::Error> =
+                sqlx::query_as(
+                    "SELECT expires_at, CONCAT(id, ' cancelled ', cancelled_at) FROM orders \
+                     WHERE activity_id = ? AND status = 'cancelled' \
+                     ORDER BY expires_at DESC LIMIT 1",
+                )
+                .bind(&activity_id)
+                .fetch_optional(&pool)
+                .await;
+            let Ok(latest) = latest else {
                 continue;
             };
-            let Ok(now) = redis_now(&mut conn).await else {
-                continue;
-            };
-            let early: Result<(i64, Option<String>), sqlx::Error> = sqlx::query_as(
-                "SELECT COUNT(*), MIN(CONCAT(id, ' expires ', expires_at, ', cancelled ', cancelled_at)) \
-                 FROM orders WHERE activity_id = ? AND status = 'cancelled' AND expires_at > ?",
-            )
-            .bind(&activity_id)
-            .bind((now + tolerance).naive_utc())
-            .fetch_one(&pool)
+            let now = tokio::time::timeout(Duration::from_secs(2), async {
+                let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+                redis_now(&mut conn).await.ok()
+            })
             .await;
-            match early {
-                Ok((0, _)) => looks += 1,
-                Ok((n, first)) => {
-                    pool.close().await;
-                    return Err(format!(
-                        "{n} orders cancelled before their payment deadline by Redis's clock ({now}), e.g. {}",
-                        first.unwrap_or_default()
+            let Ok(Some(now)) = now else {
+                continue;
+            };
+            looks += 1;
+            if let Some((expires, order)) = latest {
+                if expires.and_utc() > now + tolerance {
+                    break Err(format!(
+                        "order {order} before its payment deadline {expires} by Redis's clock ({now})"
                     ));
                 }
-                Err(_) => continue,
             }
-        }
+        };
         pool.close().await;
-        Ok(looks)
+        result
     })
 }

@@ -359,16 +359,28 @@ async fn campaign(
         active: Arc::new(AtomicUsize::new(plan.users)),
         stop: Arc::new(AtomicBool::new(false)),
     };
-    let cancellations = harness::watch_cancellations(run);
-    let busy = start_buyers(plan, run, &crowd).await?;
-    let reconciles = Arc::new(AtomicUsize::new(0));
-    let hammer = tokio::spawn(harness::hammer_reconcile(
-        crowd.apis.clone(),
-        run.activity_id.clone(),
-        run.stop.clone(),
-        reconciles.clone(),
-    ));
-    let (struck, probes) = strike_the_schedule(plan, kinds, run, &crowd, busy.from).await?;
+    let stop_watching = Arc::new(AtomicBool::new(false));
+    let cancellations = harness::watch_cancellations(run, stop_watching.clone());
+    let started = async {
+        let busy = start_buyers(plan, run, &crowd).await?;
+        let reconciles = Arc::new(AtomicUsize::new(0));
+        let hammer = tokio::spawn(harness::hammer_reconcile(
+            crowd.apis.clone(),
+            run.activity_id.clone(),
+            run.stop.clone(),
+            reconciles.clone(),
+        ));
+        let (struck, probes) = strike_the_schedule(plan, kinds, run, &crowd, busy.from).await?;
+        Ok::<_, String>((busy, reconciles, hammer, struck, probes))
+    }
+    .await;
+    let (busy, reconciles, hammer, struck, probes) = match started {
+        Ok(s) => s,
+        Err(e) => {
+            cancellations.abort();
+            return Err(e);
+        }
+    };
     for t in busy.operators {
         let _ = t.await;
     }
@@ -406,6 +418,7 @@ async fn campaign(
     if let Err(e) = orders_follow_the_clock_of(run).await {
         outcome.violations.push(format!("one clock: {e}"));
     }
+    stop_watching.store(true, Ordering::SeqCst);
     match cancellations.await {
         Ok(Ok(looks)) if looks > 0 => {}
         Ok(Ok(_)) => outcome
