@@ -1127,6 +1127,107 @@ async fn a_turn_run_out_just_before_a_loss_stays_run_out() {
     app.stop().await;
 }
 
+/// The end MySQL keeps of a user's turn.
+async fn turn_end(app: &TestApp, id: &str, user: &str) -> Option<u64> {
+    sqlx::query_scalar(
+        "SELECT ends_at_ms FROM waiting_room_turns WHERE activity_id = ? AND user_id = ?",
+    )
+    .bind(id)
+    .bind(user)
+    .fetch_optional(&app.state.pool)
+    .await
+    .expect("the turns")
+}
+
+/// A turn held when Redis lost the room is given again, whole, once the room
+/// is rebuilt, and MySQL keeps that turn's later end: a second loss within
+/// it does not take the turn away.
+#[tokio::test]
+async fn a_turn_given_again_after_a_rebuild_keeps_its_later_end() {
+    let app = TestApp::builder().turn_secs(5).spawn().await;
+    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
+    let users = ["g0", "g1", "g2"];
+    for u in users {
+        assert_eq!(app.join_queue(&sku, u).await.status(), StatusCode::CREATED);
+    }
+    let first = admitted_one(&app, &sku, &users).await;
+    let ends = eventually(Duration::from_secs(10), "the turn recorded", || async {
+        turn_end(&app, &id, &first).await
+    })
+    .await;
+    let seed = room(&app, &id).await["seed"].clone();
+    lose_room(&app, &id, 1).await;
+    eventually(Duration::from_secs(10), "the room rebuilt", || async {
+        (room(&app, &id).await["seed"] == seed).then_some(())
+    })
+    .await;
+    eventually(
+        Duration::from_secs(10),
+        "the later end recorded",
+        || async {
+            turn_end(&app, &id, &first)
+                .await
+                .filter(|e| *e > ends)
+                .map(|_| ())
+        },
+    )
+    .await;
+    let p = place(&app, &sku, &first).await;
+    assert_eq!(p["state"], "admitted", "the turn given again: {p}");
+    app.stop().await;
+}
+
+/// A buyer of an ended sale whose room is gone from Redis is told they
+/// bought, from their order, even when their settled turn never reached the
+/// journal before Redis lost the room.
+#[tokio::test]
+async fn an_ended_rooms_buyer_is_one_by_their_order() {
+    let app = TestApp::builder().workers().spawn().await;
+    let spec = SaleSpec {
+        starts_in_secs: 2,
+        open_secs: 4,
+        waiting_room: true,
+        ..SaleSpec::new(1)
+    };
+    let created = std::time::Instant::now();
+    let sale = app.open_sale_spec(&spec).await;
+    let users = ["o0", "o1"];
+    for u in users {
+        assert_eq!(
+            app.join_queue(&sale.sku, u).await.status(),
+            StatusCode::CREATED
+        );
+    }
+    hold_the_journal(&app, &sale.id).await;
+    let first = admitted_one(&app, &sale.sku, &users).await;
+    assert_eq!(
+        app.reserve(&sale.sku, &first, None).await.status(),
+        StatusCode::ACCEPTED
+    );
+    eventually(
+        Duration::from_secs(20),
+        "the order written, the sale over",
+        || async {
+            let orders: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM orders WHERE activity_id = ? AND holder = ?",
+            )
+            .bind(&sale.id)
+            .bind(&first)
+            .fetch_one(&app.state.pool)
+            .await
+            .ok()?;
+            let over = created.elapsed() > Duration::from_secs(7);
+            (orders == 1 && over).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(journalled(&app, &sale.id, &first, "reserved").await, 0);
+    lose_room(&app, &sale.id, sale.shards).await;
+    let p = place(&app, &sale.sku, &first).await;
+    assert_eq!(p["state"], "admitted", "the buyer, from their order: {p}");
+    app.stop().await;
+}
+
 /// Before `flashsale migrate` makes the table of turns given (an instance of
 /// this release on the last one's schema), turns are not kept, and everything
 /// else in the journal is copied and read back all the same.
