@@ -102,6 +102,24 @@ pub enum LogFormat {
     Json,
 }
 
+/// The Kafka broker's known defects the service works around
+/// (`kafka.broker_quirks`, docs/API.md version 4).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub enum BrokerQuirks {
+    /// A broker that implements Kafka's protocol as Apache Kafka does (Apache
+    /// Kafka, Redpanda, managed Kafka): no workaround runs.
+    #[default]
+    #[serde(rename = "none")]
+    None,
+    /// tansu 0.6, the development and test broker: its idempotent producer
+    /// panics once a producer's epoch is bumped, so the producer runs without
+    /// idempotence; its coordinator drops departed members without telling the
+    /// group, so the consumer watches for partitions nobody holds and rejoins
+    /// (`orders::stall`).
+    #[serde(rename = "tansu-0.6")]
+    Tansu06,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct RedisSettings {
     pub url: String,
@@ -194,10 +212,13 @@ pub struct KafkaSettings {
     /// the next one gathers every publish that arrived, so fewer, fuller requests
     /// carry the same load (measured by the benchmark's producer section).
     pub max_in_flight: u32,
-    /// The idempotent producer (no duplicates from retries). On by default; off
-    /// only for brokers whose idempotence support is broken (tansu 0.6): the
-    /// consumer absorbs duplicates anyway.
+    /// The idempotent producer (no duplicates from retries). On by default;
+    /// off under `broker_quirks = "tansu-0.6"` whatever this says (see
+    /// [`KafkaSettings::idempotent`]).
     pub idempotence: bool,
+    /// The broker's known defects worked around; `none` by default.
+    #[serde(default)]
+    pub broker_quirks: BrokerQuirks,
     /// librdkafka's `debug` contexts (e.g. "consumer,cgrp"); empty for none.
     #[serde(default)]
     pub client_debug: String,
@@ -206,6 +227,22 @@ pub struct KafkaSettings {
     /// finds it full is refused at once: never sent, its units returned, `503`.
     #[serde(default = "default_queue_max_messages")]
     pub queue_max_messages: u32,
+}
+
+impl KafkaSettings {
+    /// Whether the producer runs idempotent: as configured, except against
+    /// tansu 0.6, whose support for it is broken (the consumer absorbs the
+    /// duplicates a retry may make).
+    pub fn idempotent(&self) -> bool {
+        self.idempotence && self.broker_quirks != BrokerQuirks::Tansu06
+    }
+
+    /// Whether the consumer watches its group for partitions a departed
+    /// member left with nobody (tansu 0.6's coordinator). Against Kafka's own
+    /// group protocol it never rejoins over a live member.
+    pub fn watches_for_ghost_members(&self) -> bool {
+        self.broker_quirks == BrokerQuirks::Tansu06
+    }
 }
 
 /// librdkafka's own default for `queue.buffering.max.messages`.
@@ -411,7 +448,7 @@ impl Settings {
         if self.kafka.batch_bytes == 0 || self.kafka.max_in_flight == 0 {
             bail!("kafka.batch_bytes and kafka.max_in_flight must be positive");
         }
-        if self.kafka.idempotence && self.kafka.max_in_flight > 5 {
+        if self.kafka.idempotent() && self.kafka.max_in_flight > 5 {
             bail!("kafka.max_in_flight must be at most 5 with kafka.idempotence");
         }
         if self
@@ -587,6 +624,30 @@ mod tests {
             s.telemetry.otlp_endpoint.is_empty(),
             "traces are off by default"
         );
+    }
+
+    /// Production's Kafka settings are the defaults (config/production.toml
+    /// sets none of these): no broker quirk, the
+    /// idempotent producer, no group watch. The test broker's workarounds come
+    /// from config/test.toml alone, and only as a whole.
+    #[test]
+    fn the_test_brokers_workarounds_act_only_under_its_switch() {
+        let s = Settings::load_from(&config_dir(), "development").expect("defaults load");
+        assert_eq!(s.kafka.broker_quirks, BrokerQuirks::None);
+        assert!(s.kafka.idempotent());
+        assert!(!s.kafka.watches_for_ghost_members());
+        let t = Settings::load_from(&config_dir(), "test").expect("test loads");
+        assert_eq!(t.kafka.broker_quirks, BrokerQuirks::Tansu06);
+        assert!(t.kafka.idempotence, "the setting itself stays on");
+        assert!(!t.kafka.idempotent());
+        assert!(t.kafka.watches_for_ghost_members());
+        let vars = config::Map::from([(
+            "FLASHSALE__KAFKA__BROKER_QUIRKS".to_owned(),
+            "redpanda".to_owned(),
+        )]);
+        let err = Settings::load_with_vars(&config_dir(), "development", Some(vars))
+            .expect_err("an unknown broker is refused");
+        assert!(format!("{err:#}").contains("broker_quirks"), "{err:#}");
     }
 
     #[test]

@@ -89,7 +89,7 @@ pub struct Publisher {
 fn create_producer(settings: &KafkaSettings) -> anyhow::Result<FutureProducer> {
     ClientConfig::new()
         .set("bootstrap.servers", &settings.brokers)
-        .set("enable.idempotence", settings.idempotence.to_string())
+        .set("enable.idempotence", settings.idempotent().to_string())
         .set("acks", "all")
         .set("linger.ms", settings.linger_ms.to_string())
         .set(

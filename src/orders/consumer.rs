@@ -185,8 +185,12 @@ pub struct OrderConsumer {
 type GroupView = Option<(Instant, Vec<PartitionOffsets>)>;
 
 /// The consumer's side of the group watch: the probe's latest reading, the
-/// verdicts, and when to look next.
+/// verdicts, and when to look next. Active only against tansu 0.6
+/// (`kafka.broker_quirks`): Kafka's own coordinator tells the group when a
+/// member leaves, and a rejoin over a live member that is busy (retrying
+/// MySQL) would stall every partition until it polls again.
 struct GroupWatch {
+    active: bool,
     view: tokio::sync::watch::Receiver<GroupView>,
     stall: StallWatch,
     next: Instant,
@@ -249,8 +253,13 @@ impl OrderConsumer {
     /// and retried.
     pub async fn run(self, shutdown: CancellationToken) {
         tracing::info!("order consumer started");
+        let active = self.kafka.watches_for_ghost_members();
         let mut watch = GroupWatch {
-            view: self.spawn_probe(&shutdown),
+            active,
+            view: match active {
+                true => self.spawn_probe(&shutdown),
+                false => tokio::sync::watch::channel(None).1,
+            },
             stall: StallWatch::new(
                 self.stall_patience,
                 self.stall_check * 2,
@@ -285,7 +294,7 @@ impl OrderConsumer {
                 }
             }
             // Between batches: a rejoin never revokes a batch half done.
-            if Instant::now() >= watch.next {
+            if watch.active && Instant::now() >= watch.next {
                 self.look_at_group(&mut watch);
             }
         }
@@ -354,7 +363,7 @@ impl OrderConsumer {
         let first = loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return None,
-                _ = tokio::time::sleep_until(watch.next) => self.look_at_group(watch),
+                _ = tokio::time::sleep_until(watch.next), if watch.active => self.look_at_group(watch),
                 m = self.consumer.recv() => match m {
                     Ok(m) => break m.detach(),
                     Err(err) => {
