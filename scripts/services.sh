@@ -13,6 +13,7 @@
 #   scripts/services.sh              # ensure all three services are up
 #   scripts/services.sh stop-kafka   # stop the tansu broker this script started
 #   scripts/services.sh check-kafka-fds  # fail if that broker holds a descriptor it inherited
+#   scripts/services.sh kafka-quirks     # "tansu-0.6" while that broker runs, else "none"
 #
 # No Docker here on purpose: the dev/CI machine has no Docker engine and no
 # Apache Kafka package. See docker-compose.yml for users who do have Docker.
@@ -330,6 +331,13 @@ case "${1:-up}" in
         ;;
     check-kafka-fds)
         check_kafka_fds
+        ;;
+    kafka-quirks)
+        # The broker's defects the service must work around
+        # (kafka.broker_quirks): tansu's when the broker on the port is the
+        # tansu this script started, none for any other (Apache Kafka from
+        # docker-compose.yml, say).
+        if kafka_pid >/dev/null; then echo "tansu-0.6"; else echo "none"; fi
         ;;
     -h | --help | help)
         usage

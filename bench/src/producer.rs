@@ -52,7 +52,7 @@ pub async fn section(bench: &Bench) -> anyhow::Result<ProducerSection> {
     let base = &bench.settings.kafka;
     let default = format!(
         "linger.ms = {}, batch.size = {}, max.in.flight = {}, partitions = {}, acks = all, idempotence = {}",
-        base.linger_ms, base.batch_bytes, base.max_in_flight, base.partitions, base.idempotence
+        base.linger_ms, base.batch_bytes, base.max_in_flight, base.partitions, base.idempotent()
     );
     let duration = Duration::from_secs_f64(bench.opts.producer_duration);
     let in_flight = bench.opts.concurrency;

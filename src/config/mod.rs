@@ -212,8 +212,9 @@ pub struct KafkaSettings {
     /// the next one gathers every publish that arrived, so fewer, fuller requests
     /// carry the same load (measured by the benchmark's producer section).
     pub max_in_flight: u32,
-    /// The idempotent producer (no duplicates from retries). On by default;
-    /// off under `broker_quirks = "tansu-0.6"` whatever this says (see
+    /// The idempotent producer (no duplicates from retries). On by default,
+    /// and refused off unless `broker_quirks = "tansu-0.6"`, under which the
+    /// producer runs without it whatever this says (see
     /// [`KafkaSettings::idempotent`]).
     pub idempotence: bool,
     /// The broker's known defects worked around; `none` by default.
@@ -448,6 +449,9 @@ impl Settings {
         if self.kafka.batch_bytes == 0 || self.kafka.max_in_flight == 0 {
             bail!("kafka.batch_bytes and kafka.max_in_flight must be positive");
         }
+        if !self.kafka.idempotence && self.kafka.broker_quirks == BrokerQuirks::None {
+            bail!("kafka.idempotence = false is only for a broker whose idempotent producer is broken: set kafka.broker_quirks = \"tansu-0.6\" for tansu 0.6, or leave idempotence on");
+        }
         if self.kafka.idempotent() && self.kafka.max_in_flight > 5 {
             bail!("kafka.max_in_flight must be at most 5 with kafka.idempotence");
         }
@@ -632,15 +636,31 @@ mod tests {
     /// from config/test.toml alone, and only as a whole.
     #[test]
     fn the_test_brokers_workarounds_act_only_under_its_switch() {
-        let s = Settings::load_from(&config_dir(), "development").expect("defaults load");
+        let none = || Some(config::Map::new());
+        let s =
+            Settings::load_with_vars(&config_dir(), "development", none()).expect("defaults load");
         assert_eq!(s.kafka.broker_quirks, BrokerQuirks::None);
         assert!(s.kafka.idempotent());
         assert!(!s.kafka.watches_for_ghost_members());
-        let t = Settings::load_from(&config_dir(), "test").expect("test loads");
+        let t = Settings::load_with_vars(&config_dir(), "test", none()).expect("test loads");
         assert_eq!(t.kafka.broker_quirks, BrokerQuirks::Tansu06);
         assert!(t.kafka.idempotence, "the setting itself stays on");
         assert!(!t.kafka.idempotent());
         assert!(t.kafka.watches_for_ghost_members());
+        let get = |s: &Settings, key: &str| {
+            crate::kafka::producer_config(&s.kafka)
+                .get(key)
+                .map(str::to_owned)
+        };
+        assert_eq!(get(&s, "enable.idempotence").as_deref(), Some("true"));
+        assert_eq!(get(&t, "enable.idempotence").as_deref(), Some("false"));
+        let off = config::Map::from([(
+            "FLASHSALE__KAFKA__IDEMPOTENCE".to_owned(),
+            "false".to_owned(),
+        )]);
+        let err = Settings::load_with_vars(&config_dir(), "development", Some(off))
+            .expect_err("idempotence off against a broker that has it is refused");
+        assert!(format!("{err:#}").contains("broker_quirks"), "{err:#}");
         let vars = config::Map::from([(
             "FLASHSALE__KAFKA__BROKER_QUIRKS".to_owned(),
             "redpanda".to_owned(),

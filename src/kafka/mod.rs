@@ -87,7 +87,15 @@ pub struct Publisher {
 }
 
 fn create_producer(settings: &KafkaSettings) -> anyhow::Result<FutureProducer> {
-    ClientConfig::new()
+    producer_config(settings)
+        .create()
+        .context("failed to create the Kafka producer")
+}
+
+/// The producer's librdkafka settings.
+pub fn producer_config(settings: &KafkaSettings) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config
         .set("bootstrap.servers", &settings.brokers)
         .set("enable.idempotence", settings.idempotent().to_string())
         .set("acks", "all")
@@ -114,9 +122,8 @@ fn create_producer(settings: &KafkaSettings) -> anyhow::Result<FutureProducer> {
         .set("socket.connection.setup.timeout.ms", "1000")
         // Reconnects within about half a second of the broker's return (the
         // target is service again within 2 s of it), even after a long outage.
-        .set("reconnect.backoff.max.ms", "500")
-        .create()
-        .context("failed to create the Kafka producer")
+        .set("reconnect.backoff.max.ms", "500");
+    config
 }
 
 impl Publisher {
