@@ -64,6 +64,17 @@ async fn lose_room(app: &TestApp, activity_id: &str, shards: u8) {
     }
 }
 
+/// Redis loses the room of a sale of one shard, and the room comes back with
+/// the same draw.
+async fn lose_and_rebuild(app: &TestApp, id: &str) {
+    let seed = room(app, id).await["seed"].clone();
+    lose_room(app, id, 1).await;
+    eventually(Duration::from_secs(10), "the room rebuilt", || async {
+        (room(app, id).await["seed"] == seed).then_some(())
+    })
+    .await;
+}
+
 /// The room's figures, as the operators see them.
 async fn room(app: &TestApp, id: &str) -> Value {
     app.activity_figures(id).await["live"]["waiting_room"].clone()
@@ -1012,12 +1023,7 @@ async fn a_room_rebuilt_keeps_its_buyers_expired_turns_and_late_joiners() {
             .then_some(())
     })
     .await;
-    let seed = room(&app, &id).await["seed"].clone();
-    lose_room(&app, &id, 1).await;
-    eventually(Duration::from_secs(10), "the room rebuilt", || async {
-        (room(&app, &id).await["seed"] == seed).then_some(())
-    })
-    .await;
+    lose_and_rebuild(&app, &id).await;
     let p = place(&app, &sku, &buyer).await;
     assert_eq!(p["state"], "admitted", "the buyer: {p}");
     assert!(p.get("admitted_until").is_none(), "no new turn: {p}");
@@ -1028,18 +1034,6 @@ async fn a_room_rebuilt_keeps_its_buyers_expired_turns_and_late_joiners() {
         "the late joiner is in line: {late}"
     );
     app.stop().await;
-}
-
-/// The turns given to the sale's `user` MySQL holds.
-async fn turns_recorded(app: &TestApp, id: &str, user: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT COUNT(*) FROM waiting_room_turns WHERE activity_id = ? AND user_id = ?",
-    )
-    .bind(id)
-    .bind(user)
-    .fetch_one(&app.state.pool)
-    .await
-    .expect("the turns")
 }
 
 /// No instance copies the room's journal to MySQL from now on (the copier's
@@ -1055,6 +1049,18 @@ async fn hold_the_journal(app: &TestApp, id: &str) {
         .query_async(&mut conn)
         .await
         .expect("SET");
+}
+
+/// The end MySQL keeps of a user's turn.
+async fn turn_end(app: &TestApp, id: &str, user: &str) -> Option<u64> {
+    sqlx::query_scalar(
+        "SELECT ends_at_ms FROM waiting_room_turns WHERE activity_id = ? AND user_id = ?",
+    )
+    .bind(id)
+    .bind(user)
+    .fetch_optional(&app.state.pool)
+    .await
+    .expect("the turns")
 }
 
 /// The journal rows of `kind` MySQL holds for the sale's `user`.
@@ -1076,16 +1082,12 @@ async fn journalled(app: &TestApp, id: &str, user: &str, kind: &str) -> i64 {
 #[tokio::test]
 async fn a_turn_run_out_just_before_a_loss_stays_run_out() {
     let app = TestApp::builder().turn_secs(5).spawn().await;
-    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
     let users = ["t0", "t1", "t2"];
-    for u in users {
-        assert_eq!(app.join_queue(&sku, u).await.status(), StatusCode::CREATED);
-    }
-    let first = admitted_one(&app, &sku, &users).await;
+    let (id, sku, first) = room_with_a_turn(&app, 1, &users).await;
     eventually(
         Duration::from_secs(10),
         "the turn given recorded",
-        || async { (turns_recorded(&app, &id, &first).await == 1).then_some(()) },
+        || async { turn_end(&app, &id, &first).await },
     )
     .await;
     // From here on no instance copies the journal, as in the moment before a
@@ -1097,12 +1099,7 @@ async fn a_turn_run_out_just_before_a_loss_stays_run_out() {
         0,
         "the expiry must not have reached MySQL before the loss"
     );
-    let seed = room(&app, &id).await["seed"].clone();
-    lose_room(&app, &id, 1).await;
-    eventually(Duration::from_secs(10), "the room rebuilt", || async {
-        (room(&app, &id).await["seed"] == seed).then_some(())
-    })
-    .await;
+    lose_and_rebuild(&app, &id).await;
     // The unit goes to the next in line; the first has had their turn, and
     // is told so at every look (a second turn would show for five seconds).
     let next = eventually(Duration::from_secs(10), "the next turn", || async {
@@ -1127,40 +1124,19 @@ async fn a_turn_run_out_just_before_a_loss_stays_run_out() {
     app.stop().await;
 }
 
-/// The end MySQL keeps of a user's turn.
-async fn turn_end(app: &TestApp, id: &str, user: &str) -> Option<u64> {
-    sqlx::query_scalar(
-        "SELECT ends_at_ms FROM waiting_room_turns WHERE activity_id = ? AND user_id = ?",
-    )
-    .bind(id)
-    .bind(user)
-    .fetch_optional(&app.state.pool)
-    .await
-    .expect("the turns")
-}
-
 /// A turn held when Redis lost the room is given again, whole, once the room
 /// is rebuilt, and MySQL keeps that turn's later end: a second loss within
 /// it does not take the turn away.
 #[tokio::test]
 async fn a_turn_given_again_after_a_rebuild_keeps_its_later_end() {
     let app = TestApp::builder().turn_secs(5).spawn().await;
-    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
     let users = ["g0", "g1", "g2"];
-    for u in users {
-        assert_eq!(app.join_queue(&sku, u).await.status(), StatusCode::CREATED);
-    }
-    let first = admitted_one(&app, &sku, &users).await;
+    let (id, sku, first) = room_with_a_turn(&app, 1, &users).await;
     let ends = eventually(Duration::from_secs(10), "the turn recorded", || async {
         turn_end(&app, &id, &first).await
     })
     .await;
-    let seed = room(&app, &id).await["seed"].clone();
-    lose_room(&app, &id, 1).await;
-    eventually(Duration::from_secs(10), "the room rebuilt", || async {
-        (room(&app, &id).await["seed"] == seed).then_some(())
-    })
-    .await;
+    lose_and_rebuild(&app, &id).await;
     eventually(
         Duration::from_secs(10),
         "the later end recorded",
@@ -1238,12 +1214,8 @@ async fn a_database_not_migrated_yet_still_takes_the_rest_of_the_journal() {
         .execute(&app.state.pool)
         .await
         .expect("the last release's schema");
-    let (id, sku) = room_sale(&app, 1, Duration::from_secs(2)).await;
     let users = ["m0", "m1", "m2"];
-    for u in users {
-        assert_eq!(app.join_queue(&sku, u).await.status(), StatusCode::CREATED);
-    }
-    let first = admitted_one(&app, &sku, &users).await;
+    let (id, sku, first) = room_with_a_turn(&app, 1, &users).await;
     all_told(&app, &sku, &[&first], "expired", Duration::from_secs(10)).await;
     assert_eq!(
         app.join_queue(&sku, "latecomer").await.status(),
@@ -1255,12 +1227,7 @@ async fn a_database_not_migrated_yet_still_takes_the_rest_of_the_journal() {
             .then_some(())
     })
     .await;
-    let seed = room(&app, &id).await["seed"].clone();
-    lose_room(&app, &id, 1).await;
-    eventually(Duration::from_secs(10), "the room rebuilt", || async {
-        (room(&app, &id).await["seed"] == seed).then_some(())
-    })
-    .await;
+    lose_and_rebuild(&app, &id).await;
     assert_eq!(place(&app, &sku, &first).await["state"], "expired");
     app.stop().await;
 }
