@@ -386,6 +386,7 @@ const METRICS: &[(Kind, &str, &str)] = &[
     (Kind::Counter, "flashsale_consumer_dead_letters_total", "Reservation messages sent to the dead-letter topic."),
     (Kind::Gauge, "flashsale_consumer_assigned_partitions", "Partitions of the reservation topic assigned to this instance's consumer."),
     (Kind::Counter, "flashsale_consumer_rejoins_total", "Times this instance's consumer left and rejoined its group because a partition it did not hold had messages nobody committed (only under kafka.broker_quirks = tansu-0.6)."),
+    (Kind::Counter, "flashsale_consumer_batches_abandoned_total", "Batches this instance's consumer dropped unwritten because a rebalance gave their partitions to another member while MySQL refused them (the new holder reads them again)."),
     (Kind::Gauge, "flashsale_consumer_lag_messages", "Messages of the reservation topic the consumer group has not committed, as the reconciler last measured."),
     (Kind::Counter, "flashsale_reconcile_runs_total", "Reconciler passes over an activity."),
     (Kind::Counter, "flashsale_reconcile_drift_found_total", "Reconciler passes that found Redis's stock differing from what MySQL implies."),

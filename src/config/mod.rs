@@ -115,7 +115,7 @@ pub enum BrokerQuirks {
     /// panics once a producer's epoch is bumped, so the producer runs without
     /// idempotence; its coordinator drops departed members without telling the
     /// group, so the consumer watches for partitions nobody holds and rejoins
-    /// (`orders::stall`).
+    /// (`orders::ghosts`).
     #[serde(rename = "tansu-0.6")]
     Tansu06,
 }

@@ -9,7 +9,9 @@
 //! then that message alone is dead-lettered and its reservation failed; a payload
 //! that cannot be read goes to the dead-letter topic.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -19,7 +21,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Message, OwnedMessage};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::time::Instant;
@@ -27,13 +29,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+use super::ghosts::{self, GhostWatch};
 use super::pace::Pace;
 use super::repo::{Decision, Incoming};
-use super::stall::{StallWatch, Verdict};
 use super::writer::{OrderWriter, MAX_BACKOFF};
 use crate::config::{KafkaSettings, Settings};
 use crate::input::{is_valid_id, is_valid_user_id};
-use crate::kafka::{self, GroupProbe, PartitionOffsets, Publisher, ReservationMessage};
+use crate::kafka::{self, Publisher, ReservationMessage};
 use crate::telemetry;
 
 /// Messages this process's consumer sent to the dead-letter topic.
@@ -66,77 +68,20 @@ pub fn parse(payload: Option<&[u8]>) -> Result<Incoming, String> {
     })
 }
 
-/// Reports the partitions this consumer holds after each rebalance, as the gauge
-/// `consumer_assigned_partitions` and in the logs.
+/// What the consumer's callbacks see: each rebalance's partitions (the gauge
+/// `consumer_assigned_partitions` and the logs), the partitions revoked while
+/// a batch is being written, and, under tansu 0.6 only, what the ghost watch
+/// needs ([`super::ghosts`]).
 struct RebalanceReport {
-    /// When the last assignment or revocation reached this consumer, and whether
-    /// it was an assignment.
-    last: std::sync::Mutex<Option<(Instant, bool)>>,
-    /// When this consumer first saw every broker down, in the last outage (see
-    /// [`super::stall`]: the ghosts a restart leaves).
-    broker_lost: std::sync::Mutex<Option<Instant>>,
-    /// How long an outage's first failure is remembered (see [`begins_outage`]).
-    outage_memory: Duration,
-}
-
-/// Whether every broker found down `now` begins a new outage: the first one, one
-/// after the group was rebuilt (an assignment since the last outage began), or
-/// one longer than `memory` after it began. Failures in between belong to the
-/// same outage, whose ghosts are timed from its first failure.
-fn begins_outage(
-    lost: Option<Instant>,
-    assigned: Option<Instant>,
-    now: Instant,
-    memory: Duration,
-) -> bool {
-    lost.is_none_or(|at| now.duration_since(at) > memory || assigned.is_some_and(|a| a > at))
-}
-
-impl RebalanceReport {
-    /// `outage_memory`: longer than a session timeout, so that failures repeated
-    /// through one outage never move its start past the ghosts' expiry.
-    fn new(outage_memory: Duration) -> Self {
-        RebalanceReport {
-            last: std::sync::Mutex::new(None),
-            broker_lost: std::sync::Mutex::new(None),
-            outage_memory,
-        }
-    }
-
-    /// A rebalance is under way (revoked, not yet assigned again, for less than
-    /// `patience`) or has just ended (assigned less than `just` ago): this
-    /// consumer's assignment says nothing yet.
-    fn settling(&self, now: Instant, just: Duration, patience: Duration) -> bool {
-        // A poisoned lock only means a panic elsewhere; the time is still good.
-        match *self.last.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some((at, true)) => now.duration_since(at) < just,
-            Some((at, false)) => now.duration_since(at) < patience,
-            None => false,
-        }
-    }
-
-    /// When every member that heartbeated before the last outage this consumer
-    /// saw has been dropped by the coordinator: one session timeout after the
-    /// connection failed, and a margin.
-    fn ghosts_gone(&self, session: Duration, margin: Duration) -> Option<Instant> {
-        let lost = *self.broker_lost.lock().unwrap_or_else(|p| p.into_inner());
-        lost.map(|at| at + session + margin)
-    }
+    /// Partitions revoked since the batch being written was taken.
+    revoked: Mutex<HashSet<i32>>,
+    ghosts: Option<ghosts::Memory>,
 }
 
 impl ClientContext for RebalanceReport {
     fn error(&self, error: KafkaError, reason: &str) {
-        // Every broker down: an outage (one connection failing is not one).
-        if error.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown) {
-            let now = Instant::now();
-            let assigned = match *self.last.lock().unwrap_or_else(|p| p.into_inner()) {
-                Some((at, true)) => Some(at),
-                _ => None,
-            };
-            let mut lost = self.broker_lost.lock().unwrap_or_else(|p| p.into_inner());
-            if begins_outage(*lost, assigned, now, self.outage_memory) {
-                *lost = Some(now);
-            }
+        if let Some(ghosts) = &self.ghosts {
+            ghosts.saw_error(&error);
         }
         // What the default does, through this service's logging.
         tracing::error!(target: "librdkafka", "librdkafka: {error}: {reason}");
@@ -145,9 +90,8 @@ impl ClientContext for RebalanceReport {
 
 impl ConsumerContext for RebalanceReport {
     fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if !matches!(rebalance, Rebalance::Error(_)) {
-            let assigned = matches!(rebalance, Rebalance::Assign(_));
-            *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some((Instant::now(), assigned));
+        if let (Some(ghosts), false) = (&self.ghosts, matches!(rebalance, Rebalance::Error(_))) {
+            ghosts.saw_rebalance(matches!(rebalance, Rebalance::Assign(_)));
         }
         match rebalance {
             Rebalance::Assign(partitions) => {
@@ -155,13 +99,34 @@ impl ConsumerContext for RebalanceReport {
                 metrics::gauge!("flashsale_consumer_assigned_partitions")
                     .set(partitions.count() as f64);
             }
-            Rebalance::Revoke(_) => {
+            Rebalance::Revoke(partitions) => {
                 tracing::info!("partitions revoked");
                 metrics::gauge!("flashsale_consumer_assigned_partitions").set(0.0);
+                // A poisoned lock only means a panic elsewhere; the set is whole.
+                self.revoked
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .extend(partitions.elements().iter().map(|e| e.partition()));
             }
             Rebalance::Error(err) => tracing::warn!(error = %err, "rebalance failed"),
         }
     }
+}
+
+/// How long a batch is written before the consumer also serves its group
+/// (see [`OrderConsumer::serve_group_meanwhile`]): most batches are done long
+/// before.
+const SERVE_GROUP_AFTER: Duration = Duration::from_millis(500);
+
+/// What became of one batch.
+enum Handled {
+    /// Written and committed; MySQL took this long.
+    Written(Duration),
+    /// A rebalance took its partitions while MySQL refused it: their new
+    /// holders read it again from the last commit.
+    Abandoned,
+    /// Shut down before it was committed (it will be redelivered).
+    Stopped,
 }
 
 pub struct OrderConsumer {
@@ -172,28 +137,11 @@ pub struct OrderConsumer {
     batch_size: usize,
     batch_wait: Duration,
     kafka: KafkaSettings,
-    /// How often the consumer looks at its group (see [`super::stall`]).
-    stall_check: Duration,
-    /// How long a partition's backlog may stand still, held by nobody here,
-    /// before the consumer rejoins.
-    stall_patience: Duration,
+    /// The group's heartbeat and session (the ghost watch's pace and patience).
+    heartbeat: Duration,
+    session: Duration,
     /// Its pace into MySQL (see [`super::pace`]).
     pace: std::sync::Mutex<Pace>,
-}
-
-/// The group's offsets as the probe last read them, and when.
-type GroupView = Option<(Instant, Vec<PartitionOffsets>)>;
-
-/// The consumer's side of the group watch: the probe's latest reading, the
-/// verdicts, and when to look next. Active only against tansu 0.6
-/// (`kafka.broker_quirks`): Kafka's own coordinator tells the group when a
-/// member leaves, and a rejoin over a live member that is busy (retrying
-/// MySQL) would stall every partition until it polls again.
-struct GroupWatch {
-    active: bool,
-    view: tokio::sync::watch::Receiver<GroupView>,
-    stall: StallWatch,
-    next: Instant,
 }
 
 impl OrderConsumer {
@@ -206,6 +154,11 @@ impl OrderConsumer {
         if !settings.kafka.client_debug.is_empty() {
             config.set("debug", &settings.kafka.client_debug);
         }
+        let session = Duration::from_millis(settings.consumer.session_timeout_ms);
+        let ghosts = settings
+            .kafka
+            .watches_for_ghost_members()
+            .then(|| ghosts::Memory::new(session * 4));
         let consumer: StreamConsumer<RebalanceReport> = config
             .set("bootstrap.servers", &settings.kafka.brokers)
             .set("group.id", &settings.kafka.group_id)
@@ -225,9 +178,10 @@ impl OrderConsumer {
             // After a broker restart, reach the coordinator again within a
             // second: the default backoff (up to 10 s) let the session run out.
             .set("reconnect.backoff.max.ms", "1000")
-            .create_with_context(RebalanceReport::new(
-                Duration::from_millis(settings.consumer.session_timeout_ms) * 4,
-            ))
+            .create_with_context(RebalanceReport {
+                revoked: Mutex::default(),
+                ghosts,
+            })
             .context("failed to create the Kafka consumer")?;
         consumer
             .subscribe(&[&settings.kafka.topic])
@@ -240,8 +194,8 @@ impl OrderConsumer {
             batch_size: settings.consumer.batch_size,
             batch_wait: Duration::from_millis(settings.consumer.batch_wait_ms),
             kafka: settings.kafka.clone(),
-            stall_check: Duration::from_millis(settings.consumer.heartbeat_interval_ms),
-            stall_patience: Duration::from_millis(settings.consumer.session_timeout_ms),
+            heartbeat: Duration::from_millis(settings.consumer.heartbeat_interval_ms),
+            session,
             pace: std::sync::Mutex::new(Pace::new(
                 settings.consumer.max_orders_per_sec,
                 settings.consumer.adaptive_pace,
@@ -253,30 +207,30 @@ impl OrderConsumer {
     /// and retried.
     pub async fn run(self, shutdown: CancellationToken) {
         tracing::info!("order consumer started");
-        let active = self.kafka.watches_for_ghost_members();
-        let mut watch = GroupWatch {
-            active,
-            view: match active {
-                true => self.spawn_probe(&shutdown),
-                false => tokio::sync::watch::channel(None).1,
-            },
-            stall: StallWatch::new(
-                self.stall_patience,
-                self.stall_check * 2,
-                self.stall_check * 5,
-            ),
-            next: Instant::now() + self.stall_check,
-        };
+        let mut ghosts = self
+            .consumer
+            .context()
+            .ghosts
+            .as_ref()
+            .map(|_| GhostWatch::start(&self.kafka, self.heartbeat, self.session, &shutdown));
+        // Messages received while a batch was written (see `handle`): the
+        // next batch begins with them.
+        let mut carry = Vec::new();
         loop {
-            let Some(batch) = self.next_batch(&mut watch, &shutdown).await else {
-                break;
-            };
-            let Some(took) = self
-                .handle(&batch, &shutdown)
-                .instrument(batch_span(&batch))
+            let Some(batch) = self
+                .next_batch(&mut carry, ghosts.as_mut(), &shutdown)
                 .await
             else {
                 break;
+            };
+            let took = match self
+                .handle(&batch, &mut carry, &shutdown)
+                .instrument(batch_span(&batch))
+                .await
+            {
+                Handled::Written(took) => took,
+                Handled::Abandoned => continue,
+                Handled::Stopped => break,
             };
             // MySQL's pace: a pause after the batch (the backlog waits in the
             // topic), never a refused reservation.
@@ -294,76 +248,39 @@ impl OrderConsumer {
                 }
             }
             // Between batches: a rejoin never revokes a batch half done.
-            if watch.active && Instant::now() >= watch.next {
-                self.look_at_group(&mut watch);
+            if let Some(watch) = ghosts.as_mut().filter(|w| Instant::now() >= w.next) {
+                self.look_at_group(watch);
             }
         }
         tracing::info!("order consumer stopped");
     }
 
-    /// Reads the group's offsets every `stall_check` on a client of its own, off
-    /// the consumer's loop, so that a slow broker never keeps the consumer from
-    /// polling (a rebalance waits for every member to poll).
-    fn spawn_probe(&self, shutdown: &CancellationToken) -> tokio::sync::watch::Receiver<GroupView> {
-        let (tx, rx) = tokio::sync::watch::channel(None);
-        let probe = match GroupProbe::new(&self.kafka) {
-            Ok(p) => std::sync::Arc::new(p),
-            Err(err) => {
-                tracing::error!(error = %err, "no group probe: a partition nobody holds will not be noticed");
-                return rx;
-            }
-        };
-        let (every, shutdown) = (self.stall_check, shutdown.clone());
-        tokio::spawn(async move {
-            let mut failing = false;
-            let mut first = true;
-            loop {
-                // The first reading at once: a restarted consumer's clocks start
-                // when it does.
-                if !std::mem::take(&mut first) {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        _ = tokio::time::sleep(every) => {}
-                    }
-                }
-                let p = probe.clone();
-                let read =
-                    tokio::task::spawn_blocking(move || p.read(Duration::from_secs(2))).await;
-                let view = match read {
-                    Ok(Ok(v)) => v,
-                    Ok(Err(err)) => {
-                        if !failing {
-                            tracing::warn!(error = %err, "cannot read the consumer group's offsets; the group watch waits");
-                        }
-                        failing = true;
-                        continue;
-                    }
-                    Err(err) => {
-                        tracing::error!(error = %err, "the group probe task failed");
-                        continue;
-                    }
-                };
-                if failing {
-                    tracing::info!("the consumer group's offsets can be read again");
-                }
-                failing = false;
-                if tx.send(Some((Instant::now(), view))).is_err() {
-                    return;
-                }
-            }
-        });
-        rx
-    }
-
+    /// The next batch: what was carried over from the last one's write, or
+    /// the messages that arrive within `batch_wait` of the first.
     async fn next_batch(
         &self,
-        watch: &mut GroupWatch,
+        carry: &mut Vec<OwnedMessage>,
+        mut ghosts: Option<&mut GhostWatch>,
         shutdown: &CancellationToken,
     ) -> Option<Vec<OwnedMessage>> {
+        let limit = self
+            .pace
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .batch_limit(self.batch_size);
+        if !carry.is_empty() {
+            let rest = carry.split_off(carry.len().min(limit));
+            return Some(std::mem::replace(carry, rest));
+        }
         let first = loop {
+            let look_at = ghosts.as_ref().map(|w| w.next);
             tokio::select! {
                 _ = shutdown.cancelled() => return None,
-                _ = tokio::time::sleep_until(watch.next), if watch.active => self.look_at_group(watch),
+                _ = tokio::time::sleep_until(look_at.unwrap_or_else(Instant::now)), if look_at.is_some() => {
+                    if let Some(watch) = ghosts.as_deref_mut() {
+                        self.look_at_group(watch);
+                    }
+                }
                 m = self.consumer.recv() => match m {
                     Ok(m) => break m.detach(),
                     Err(err) => {
@@ -378,11 +295,6 @@ impl OrderConsumer {
         };
         let mut batch = vec![first];
         let deadline = Instant::now() + self.batch_wait;
-        let limit = self
-            .pace
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .batch_limit(self.batch_size);
         while batch.len() < limit {
             match tokio::time::timeout_at(deadline, self.consumer.recv()).await {
                 Ok(Ok(m)) => batch.push(BorrowedMessage::detach(&m)),
@@ -396,20 +308,13 @@ impl OrderConsumer {
         Some(batch)
     }
 
-    /// When a partition this consumer does not hold has messages waiting and
-    /// nothing committed for longer than the patience, leaves the group and joins
-    /// again. Cheap: reads the probe's latest reading and this consumer's
-    /// assignment, both in memory.
-    fn look_at_group(&self, watch: &mut GroupWatch) {
-        let now = Instant::now();
-        watch.next = now + self.stall_check;
-        let Some((read_at, view)) = watch.view.borrow().clone() else {
+    /// Under tansu 0.6: rejoins the group when the ghost watch says a
+    /// partition is left with nobody.
+    fn look_at_group(&self, watch: &mut GhostWatch) {
+        let Some(memory) = &self.consumer.context().ghosts else {
             return;
         };
-        let group = self.consumer.context();
-        let settling = group.settling(now, self.stall_check * 2, self.stall_patience);
-        let ghosts_gone = group.ghosts_gone(self.stall_patience, self.stall_check / 2);
-        let held: std::collections::HashSet<i32> = match self.consumer.assignment() {
+        let held: HashSet<i32> = match self.consumer.assignment() {
             Ok(list) => list
                 .elements_for_topic(&self.kafka.topic)
                 .iter()
@@ -417,23 +322,11 @@ impl OrderConsumer {
                 .collect(),
             Err(err) => {
                 tracing::warn!(error = %err, "cannot read this consumer's assignment");
+                watch.next = Instant::now() + self.heartbeat;
                 return;
             }
         };
-        // A fraction in [0, 1) from the process's random source: members of one
-        // fleet do not rejoin in step.
-        let jitter =
-            (uuid::Uuid::new_v4().as_u128() & ((1 << 53) - 1)) as f64 / (1u64 << 53) as f64;
-        if watch
-            .stall
-            .look(&view, &held, settling, ghosts_gone, jitter, read_at)
-            == Verdict::Rejoin
-        {
-            let waiting: i64 = view.iter().map(|p| p.lag).sum();
-            tracing::warn!(
-                waiting,
-                "a partition this consumer does not hold has messages nobody commits; rejoining the group"
-            );
+        if watch.look(memory, &held) {
             metrics::counter!("flashsale_consumer_rejoins_total").increment(1);
             self.consumer.unsubscribe();
             if let Err(err) = self.consumer.subscribe(&[&self.kafka.topic]) {
@@ -442,14 +335,13 @@ impl OrderConsumer {
         }
     }
 
-    /// Processes one batch and commits its offsets. Returns how long MySQL took
-    /// to write it, or `None` when shut down before the batch was committed (it
-    /// will be redelivered).
+    /// Processes one batch and commits its offsets.
     async fn handle(
         &self,
         batch: &[OwnedMessage],
+        carry: &mut Vec<OwnedMessage>,
         shutdown: &CancellationToken,
-    ) -> Option<Duration> {
+    ) -> Handled {
         let mut incoming = Vec::with_capacity(batch.len());
         let mut sources = Vec::with_capacity(batch.len());
         for m in batch {
@@ -463,16 +355,32 @@ impl OrderConsumer {
                         .dead_letter(m.key(), m.payload(), &reason, shutdown)
                         .await
                     {
-                        return None;
+                        return Handled::Stopped;
                     }
                 }
             }
         }
         let writes = order_write_spans(&sources, &incoming);
+        let partitions: HashSet<i32> = batch.iter().map(|m| m.partition()).collect();
+        self.consumer
+            .context()
+            .revoked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        let paused = AtomicBool::new(false);
         let started = Instant::now();
-        let written = self.writer.write(&incoming, shutdown).await;
+        let written = tokio::select! {
+            w = self.writer.write(&incoming, shutdown) => w,
+            () = self.serve_group_meanwhile(&partitions, carry, &paused) => {
+                metrics::counter!("flashsale_consumer_batches_abandoned_total").increment(1);
+                return self.resumed(&paused, Handled::Abandoned);
+            }
+        };
         let took = started.elapsed();
-        let (decisions, refused) = written?;
+        let Some((decisions, refused)) = written else {
+            return self.resumed(&paused, Handled::Stopped);
+        };
         end_order_writes(writes, &decisions);
         for (i, reason) in refused {
             let m = sources[i];
@@ -480,13 +388,95 @@ impl OrderConsumer {
                 .dead_letter(m.key(), m.payload(), &reason, shutdown)
                 .await
             {
-                return None;
+                return self.resumed(&paused, Handled::Stopped);
             }
         }
         let report = self.writer.settle(&incoming, &decisions).await;
         tracing::debug!(?report, "batch committed");
         self.commit(batch);
-        Some(took)
+        self.resumed(&paused, Handled::Written(took))
+    }
+
+    /// While a batch is written for longer than [`SERVE_GROUP_AFTER`] (MySQL
+    /// down, or refusing this member's writes): pauses every partition this
+    /// consumer holds and keeps polling, so that it stays in its group and
+    /// answers a rebalance at once. A member that stops polling keeps its
+    /// membership through its heartbeats and holds up every rebalance of the
+    /// group, and so every partition of it, until it polls again or
+    /// `max.poll.interval.ms` (5 minutes) passes. A message that comes
+    /// meanwhile (a partition assigned since the pause) is carried to the next
+    /// batch, and the new partition paused too. Returns only when a rebalance
+    /// revoked every partition of the batch: their holders read the batch
+    /// again from the last commit, so the batch is dropped. Every message
+    /// carried from a revoked partition is dropped too (committing one later
+    /// would skip the dropped batch).
+    async fn serve_group_meanwhile(
+        &self,
+        batch: &HashSet<i32>,
+        carry: &mut Vec<OwnedMessage>,
+        paused: &AtomicBool,
+    ) {
+        tokio::time::sleep(SERVE_GROUP_AFTER).await;
+        self.pause_held(paused);
+        loop {
+            let received = self.consumer.recv().await;
+            // A rebalance is served inside `recv`: what it revoked is known now,
+            // and a message it returns came after it.
+            let revoked = std::mem::take(
+                &mut *self
+                    .consumer
+                    .context()
+                    .revoked
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()),
+            );
+            carry.retain(|m| !revoked.contains(&m.partition()));
+            if let Ok(m) = &received {
+                carry.push(m.detach());
+            }
+            // Every partition of the batch taken (an eager rebalance takes all):
+            // each is read again from its last commit. A batch that keeps one
+            // is written on: dropping it would skip its messages there.
+            if !revoked.is_empty() && batch.is_subset(&revoked) {
+                tracing::warn!(
+                    "a rebalance took partitions of a batch MySQL has not accepted; its new holder reads it again"
+                );
+                return;
+            }
+            match received {
+                Ok(_) => self.pause_held(paused),
+                Err(err) => {
+                    tracing::warn!(error = %err, "Kafka receive failed");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+
+    /// Pauses every partition this consumer holds.
+    fn pause_held(&self, paused: &AtomicBool) {
+        match self.consumer.assignment() {
+            Ok(held) => match self.consumer.pause(&held) {
+                Ok(()) => paused.store(true, Ordering::Relaxed),
+                Err(err) => tracing::warn!(error = %err, "cannot pause the partitions held"),
+            },
+            Err(err) => tracing::warn!(error = %err, "cannot read this consumer's assignment"),
+        }
+    }
+
+    /// Resumes what [`Self::pause_held`] paused, if anything, and hands back
+    /// `outcome`.
+    fn resumed(&self, paused: &AtomicBool, outcome: Handled) -> Handled {
+        if paused.load(Ordering::Relaxed) {
+            let resumed = self
+                .consumer
+                .assignment()
+                .and_then(|held| self.consumer.resume(&held));
+            if let Err(err) = resumed {
+                tracing::error!(error = %err, "cannot resume the partitions held");
+            }
+        }
+        outcome
     }
 
     async fn dead_letter(
@@ -607,30 +597,5 @@ fn order_write_spans(sources: &[&OwnedMessage], incoming: &[Incoming]) -> Vec<Sp
 fn end_order_writes(spans: Vec<Span>, decisions: &[Decision]) {
     for (span, decision) in spans.into_iter().zip(decisions) {
         span.record("decision", tracing::field::debug(decision));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_outage_begins_with_its_first_failure_and_again_once_the_group_was_rebuilt() {
-        let t0 = Instant::now();
-        let s = Duration::from_secs(1);
-        let memory = s * 24;
-        assert!(begins_outage(None, None, t0, memory));
-        // Failures repeated through the outage keep its start.
-        assert!(!begins_outage(Some(t0), None, t0 + s * 5, memory));
-        assert!(!begins_outage(Some(t0 + s), Some(t0), t0 + s * 5, memory));
-        // The group was rebuilt since it began: the next failure is a new one.
-        assert!(begins_outage(
-            Some(t0),
-            Some(t0 + s * 3),
-            t0 + s * 5,
-            memory
-        ));
-        // Long after it began: a new one.
-        assert!(begins_outage(Some(t0), None, t0 + s * 25, memory));
     }
 }

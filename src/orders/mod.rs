@@ -3,9 +3,9 @@
 //! the sweeper that cancels the unpaid ones.
 
 pub mod consumer;
+mod ghosts;
 pub mod pace;
 mod repo;
-mod stall;
 pub mod sweeper;
 mod writer;
 
