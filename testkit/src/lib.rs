@@ -25,6 +25,7 @@ pub mod browser;
 pub mod database;
 pub mod identity;
 pub mod invariants;
+pub mod mock_kafka;
 pub mod otlp;
 pub mod process;
 pub mod redis_watch;

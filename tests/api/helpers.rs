@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use flashsale::config::Settings;
+use flashsale::config::{BrokerQuirks, Settings};
 use flashsale::kafka::ReservationMessage;
 use flashsale::startup::{self, Application};
 use flashsale::state::AppState;
@@ -31,6 +31,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 pub use testkit::api::Caller;
 pub use testkit::identity::IdentityProvider;
 pub use testkit::kafka_brokers;
+pub use testkit::mock_kafka::MockKafka;
 pub use testkit::redis_watch::RedisWatch;
 pub use testkit::relay::Relay;
 pub use testkit::sale::{Sale, SaleSpec};
@@ -199,6 +200,32 @@ impl TestAppBuilder {
     /// A Kafka-protocol broker of the test's own.
     pub fn kafka_brokers(mut self, brokers: String) -> Self {
         self.settings.kafka.brokers = brokers;
+        self
+    }
+
+    /// Kafka as production runs it, on librdkafka's mock cluster:
+    /// `broker_quirks = "none"`, the idempotent producer on, the topics made on
+    /// the mock (it has no CreateTopics).
+    pub fn mock_kafka(mut self, mock: &MockKafka) -> Self {
+        let kafka = &mut self.settings.kafka;
+        mock.create_topic(&kafka.topic, kafka.partitions);
+        mock.create_topic(&kafka.dead_letter_topic, kafka.partitions);
+        kafka.brokers = mock.bootstrap();
+        kafka.broker_quirks = BrokerQuirks::None;
+        kafka.idempotence = true;
+        kafka.create_topics = false;
+        self
+    }
+
+    /// MySQL as another user of the same server (`user` with `password`).
+    pub fn mysql_user(mut self, user: &str, password: &str) -> Self {
+        let url = self
+            .settings
+            .mysql
+            .url
+            .expose_secret()
+            .replace("//root@", &format!("//{user}:{password}@"));
+        self.settings.mysql.url = SecretString::from(url);
         self
     }
 
@@ -941,14 +968,19 @@ pub async fn assert_error(resp: Response, status: StatusCode, code: &str) -> Val
 /// Reads every message on the topic, up to the high watermark of each partition at
 /// the time of the call.
 pub async fn read_topic(topic: &str) -> Vec<ReservationMessage> {
-    let topic = topic.to_owned();
-    tokio::task::spawn_blocking(move || read_topic_blocking(&topic))
+    read_topic_on(&kafka_brokers(), topic).await
+}
+
+/// [`read_topic`] on the brokers `brokers`.
+pub async fn read_topic_on(brokers: &str, topic: &str) -> Vec<ReservationMessage> {
+    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || read_topic_blocking(&brokers, &topic))
         .await
         .expect("reader task")
 }
 
-fn read_topic_blocking(topic: &str) -> Vec<ReservationMessage> {
-    each_message_blocking(topic, |m| {
+fn read_topic_blocking(brokers: &str, topic: &str) -> Vec<ReservationMessage> {
+    each_message_on(brokers, topic, |m| {
         serde_json::from_slice(m.payload().expect("payload")).expect("valid message")
     })
 }
@@ -959,8 +991,16 @@ pub fn each_message_blocking<T>(
     topic: &str,
     read: impl Fn(&rdkafka::message::BorrowedMessage<'_>) -> T,
 ) -> Vec<T> {
+    each_message_on(&kafka_brokers(), topic, read)
+}
+
+fn each_message_on<T>(
+    brokers: &str,
+    topic: &str,
+    read: impl Fn(&rdkafka::message::BorrowedMessage<'_>) -> T,
+) -> Vec<T> {
     let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", kafka_brokers())
+        .set("bootstrap.servers", brokers)
         .set("group.id", unique("reader-"))
         .set("enable.auto.commit", "false")
         .create()

@@ -8,6 +8,7 @@ mod errors;
 mod gate;
 mod helpers;
 mod identity;
+mod kafka_semantics;
 mod openapi;
 mod openapi_copy;
 mod ops;
