@@ -10,7 +10,6 @@
 //! that cannot be read goes to the dead-letter topic.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -73,9 +72,19 @@ pub fn parse(payload: Option<&[u8]>) -> Result<Incoming, String> {
 /// a batch is being written, and, under tansu 0.6 only, what the ghost watch
 /// needs ([`super::ghosts`]).
 struct RebalanceReport {
-    /// Partitions revoked since the batch being written was taken.
+    /// Partitions revoked since the consumer last looked, and a wake-up for
+    /// it when it waits on a batch's write.
     revoked: Mutex<HashSet<i32>>,
+    revoked_now: tokio::sync::Notify,
     ghosts: Option<ghosts::Memory>,
+}
+
+impl RebalanceReport {
+    /// The partitions revoked since the last call.
+    fn take_revoked(&self) -> HashSet<i32> {
+        // A poisoned lock only means a panic elsewhere; the set is whole.
+        std::mem::take(&mut *self.revoked.lock().unwrap_or_else(|p| p.into_inner()))
+    }
 }
 
 impl ClientContext for RebalanceReport {
@@ -102,11 +111,11 @@ impl ConsumerContext for RebalanceReport {
             Rebalance::Revoke(partitions) => {
                 tracing::info!("partitions revoked");
                 metrics::gauge!("flashsale_consumer_assigned_partitions").set(0.0);
-                // A poisoned lock only means a panic elsewhere; the set is whole.
                 self.revoked
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .extend(partitions.elements().iter().map(|e| e.partition()));
+                self.revoked_now.notify_one();
             }
             Rebalance::Error(err) => tracing::warn!(error = %err, "rebalance failed"),
         }
@@ -180,6 +189,7 @@ impl OrderConsumer {
             .set("reconnect.backoff.max.ms", "1000")
             .create_with_context(RebalanceReport {
                 revoked: Mutex::default(),
+                revoked_now: tokio::sync::Notify::new(),
                 ghosts,
             })
             .context("failed to create the Kafka consumer")?;
@@ -272,40 +282,53 @@ impl OrderConsumer {
             let rest = carry.split_off(carry.len().min(limit));
             return Some(std::mem::replace(carry, rest));
         }
-        let first = loop {
-            let look_at = ghosts.as_ref().map(|w| w.next);
-            tokio::select! {
-                _ = shutdown.cancelled() => return None,
-                _ = tokio::time::sleep_until(look_at.unwrap_or_else(Instant::now)), if look_at.is_some() => {
-                    if let Some(watch) = ghosts.as_deref_mut() {
-                        self.look_at_group(watch);
-                    }
-                }
-                m = self.consumer.recv() => match m {
-                    Ok(m) => break m.detach(),
-                    Err(err) => {
-                        tracing::warn!(error = %err, "Kafka receive failed");
-                        tokio::select! {
-                            _ = shutdown.cancelled() => return None,
-                            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+        let group = self.consumer.context();
+        loop {
+            let first = loop {
+                let look_at = ghosts.as_ref().map(|w| w.next);
+                tokio::select! {
+                    _ = shutdown.cancelled() => return None,
+                    _ = tokio::time::sleep_until(look_at.unwrap_or_else(Instant::now)), if look_at.is_some() => {
+                        if let Some(watch) = ghosts.as_deref_mut() {
+                            self.look_at_group(watch);
                         }
                     }
-                },
-            }
-        };
-        let mut batch = vec![first];
-        let deadline = Instant::now() + self.batch_wait;
-        while batch.len() < limit {
-            match tokio::time::timeout_at(deadline, self.consumer.recv()).await {
-                Ok(Ok(m)) => batch.push(BorrowedMessage::detach(&m)),
-                Ok(Err(err)) => {
-                    tracing::warn!(error = %err, "Kafka receive failed");
-                    break;
+                    m = self.consumer.recv() => match m {
+                        Ok(m) => break m.detach(),
+                        Err(err) => {
+                            tracing::warn!(error = %err, "Kafka receive failed");
+                            tokio::select! {
+                                _ = shutdown.cancelled() => return None,
+                                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                            }
+                        }
+                    },
                 }
-                Err(_) => break,
+            };
+            // A rebalance served before this message concerns no message here.
+            group.take_revoked();
+            let mut batch = vec![first];
+            let deadline = Instant::now() + self.batch_wait;
+            while batch.len() < limit {
+                let received = tokio::time::timeout_at(deadline, self.consumer.recv()).await;
+                // A partition revoked meanwhile: what came from it before is
+                // its new holder's (read again from the last commit), and a
+                // commit of it would move that holder's offset back.
+                let revoked = group.take_revoked();
+                batch.retain(|m| !revoked.contains(&m.partition()));
+                match received {
+                    Ok(Ok(m)) => batch.push(BorrowedMessage::detach(&m)),
+                    Ok(Err(err)) => {
+                        tracing::warn!(error = %err, "Kafka receive failed");
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            if !batch.is_empty() {
+                return Some(batch);
             }
         }
-        Some(batch)
     }
 
     /// Under tansu 0.6: rejoins the group when the ghost watch says a
@@ -361,25 +384,25 @@ impl OrderConsumer {
             }
         }
         let writes = order_write_spans(&sources, &incoming);
-        let partitions: HashSet<i32> = batch.iter().map(|m| m.partition()).collect();
-        self.consumer
-            .context()
-            .revoked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
-        let paused = AtomicBool::new(false);
+        let group = self.consumer.context();
+        let batch_partitions: HashSet<i32> = batch.iter().map(|m| m.partition()).collect();
+        // What a rebalance takes from here on (`next_batch` dealt with those
+        // before): the batch's messages came before it.
+        let mut taken = HashSet::new();
+        let paused = Mutex::new(HashSet::new());
+        let abandon = shutdown.child_token();
         let started = Instant::now();
         let written = tokio::select! {
-            w = self.writer.write(&incoming, shutdown) => w,
-            () = self.serve_group_meanwhile(&partitions, carry, &paused) => {
-                metrics::counter!("flashsale_consumer_batches_abandoned_total").increment(1);
-                return self.resumed(&paused, Handled::Abandoned);
-            }
+            w = self.writer.write(&incoming, &abandon) => w,
+            () = self.serve_group_meanwhile(&batch_partitions, &mut taken, carry, &paused, &abandon) => unreachable!("serves the group until the write ends"),
         };
         let took = started.elapsed();
         let Some((decisions, refused)) = written else {
-            return self.resumed(&paused, Handled::Stopped);
+            if shutdown.is_cancelled() {
+                return self.resumed(&paused, Handled::Stopped);
+            }
+            metrics::counter!("flashsale_consumer_batches_abandoned_total").increment(1);
+            return self.resumed(&paused, Handled::Abandoned);
         };
         end_order_writes(writes, &decisions);
         for (i, reason) in refused {
@@ -393,7 +416,10 @@ impl OrderConsumer {
         }
         let report = self.writer.settle(&incoming, &decisions).await;
         tracing::debug!(?report, "batch committed");
-        self.commit(batch);
+        // Never an offset of a partition taken meanwhile: its new holder has
+        // committed its own, which this one would move back.
+        taken.extend(group.take_revoked());
+        self.commit(batch, &taken);
         self.resumed(&paused, Handled::Written(took))
     }
 
@@ -405,76 +431,90 @@ impl OrderConsumer {
     /// group, and so every partition of it, until it polls again or
     /// `max.poll.interval.ms` (5 minutes) passes. A message that comes
     /// meanwhile (a partition assigned since the pause) is carried to the next
-    /// batch, and the new partition paused too. Returns only when a rebalance
-    /// revoked every partition of the batch: their holders read the batch
-    /// again from the last commit, so the batch is dropped. Every message
-    /// carried from a revoked partition is dropped too (committing one later
-    /// would skip the dropped batch).
+    /// batch, and the new partition paused too. Every message carried from a
+    /// partition a rebalance takes is dropped (committing one later would skip
+    /// what came before it, which its new holder reads again). Once every
+    /// partition of the batch has been taken (an eager rebalance takes them
+    /// all), `abandon` ends the write at its next retry, never in the middle of
+    /// a transaction: the batch's new holders read it again from the last
+    /// commit. Runs until the write ends; `taken` gathers what was revoked.
     async fn serve_group_meanwhile(
         &self,
         batch: &HashSet<i32>,
+        taken: &mut HashSet<i32>,
         carry: &mut Vec<OwnedMessage>,
-        paused: &AtomicBool,
+        paused: &Mutex<HashSet<i32>>,
+        abandon: &CancellationToken,
     ) {
+        let group = self.consumer.context();
         tokio::time::sleep(SERVE_GROUP_AFTER).await;
         self.pause_held(paused);
         loop {
-            let received = self.consumer.recv().await;
-            // A rebalance is served inside `recv`: what it revoked is known now,
-            // and a message it returns came after it.
-            let revoked = std::mem::take(
-                &mut *self
-                    .consumer
-                    .context()
-                    .revoked
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner()),
-            );
+            // A rebalance is served inside `recv`, which may return nothing
+            // after it: the callback's wake-up ends the wait as well.
+            let received = tokio::select! {
+                m = self.consumer.recv() => Some(m),
+                () = group.revoked_now.notified() => None,
+            };
+            // What a rebalance revoked is known now, and a message `recv`
+            // returned came after it.
+            let revoked = group.take_revoked();
             carry.retain(|m| !revoked.contains(&m.partition()));
-            if let Ok(m) = &received {
+            taken.extend(revoked);
+            if let Some(Ok(m)) = &received {
                 carry.push(m.detach());
             }
-            // Every partition of the batch taken (an eager rebalance takes all):
-            // each is read again from its last commit. A batch that keeps one
-            // is written on: dropping it would skip its messages there.
-            if !revoked.is_empty() && batch.is_subset(&revoked) {
+            if !abandon.is_cancelled() && batch.is_subset(taken) {
                 tracing::warn!(
-                    "a rebalance took partitions of a batch MySQL has not accepted; its new holder reads it again"
+                    "a rebalance took the partitions of a batch MySQL has not accepted; their new holders read it again"
                 );
-                return;
+                abandon.cancel();
             }
             match received {
-                Ok(_) => self.pause_held(paused),
-                Err(err) => {
+                Some(Ok(_)) => self.pause_held(paused),
+                Some(Err(err)) => {
                     tracing::warn!(error = %err, "Kafka receive failed");
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
+                None => {}
             }
         }
     }
 
-    /// Pauses every partition this consumer holds.
-    fn pause_held(&self, paused: &AtomicBool) {
-        match self.consumer.assignment() {
-            Ok(held) => match self.consumer.pause(&held) {
-                Ok(()) => paused.store(true, Ordering::Relaxed),
-                Err(err) => tracing::warn!(error = %err, "cannot pause the partitions held"),
-            },
-            Err(err) => tracing::warn!(error = %err, "cannot read this consumer's assignment"),
+    /// Pauses every partition this consumer holds, and remembers them in
+    /// `paused`.
+    fn pause_held(&self, paused: &Mutex<HashSet<i32>>) {
+        let held = match self.consumer.assignment() {
+            Ok(held) => held,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot read this consumer's assignment");
+                return;
+            }
+        };
+        match self.consumer.pause(&held) {
+            Ok(()) => paused.lock().unwrap_or_else(|p| p.into_inner()).extend(
+                held.elements_for_topic(&self.kafka.topic)
+                    .iter()
+                    .map(|e| e.partition()),
+            ),
+            Err(err) => tracing::warn!(error = %err, "cannot pause the partitions held"),
         }
     }
 
-    /// Resumes what [`Self::pause_held`] paused, if anything, and hands back
-    /// `outcome`.
-    fn resumed(&self, paused: &AtomicBool, outcome: Handled) -> Handled {
-        if paused.load(Ordering::Relaxed) {
-            let resumed = self
-                .consumer
-                .assignment()
-                .and_then(|held| self.consumer.resume(&held));
-            if let Err(err) = resumed {
-                tracing::error!(error = %err, "cannot resume the partitions held");
-            }
+    /// Resumes every partition [`Self::pause_held`] paused, held here or not
+    /// any more (a paused partition stays paused through a rebalance: one
+    /// handed back later would never be read), and hands back `outcome`.
+    fn resumed(&self, paused: &Mutex<HashSet<i32>>, outcome: Handled) -> Handled {
+        let paused = std::mem::take(&mut *paused.lock().unwrap_or_else(|p| p.into_inner()));
+        if paused.is_empty() {
+            return outcome;
+        }
+        let mut list = TopicPartitionList::new();
+        for p in paused {
+            list.add_partition(&self.kafka.topic, p);
+        }
+        if let Err(err) = self.consumer.resume(&list) {
+            tracing::error!(error = %err, "cannot resume the partitions paused");
         }
         outcome
     }
@@ -514,13 +554,18 @@ impl OrderConsumer {
         }
     }
 
-    fn commit(&self, batch: &[OwnedMessage]) {
+    /// Commits the batch's offsets, except on the partitions `taken` from this
+    /// consumer since it was collected.
+    fn commit(&self, batch: &[OwnedMessage], taken: &HashSet<i32>) {
         let mut next: HashMap<(String, i32), i64> = HashMap::new();
-        for m in batch {
+        for m in batch.iter().filter(|m| !taken.contains(&m.partition())) {
             let e = next
                 .entry((m.topic().to_owned(), m.partition()))
                 .or_insert(0);
             *e = (*e).max(m.offset() + 1);
+        }
+        if next.is_empty() {
+            return;
         }
         let mut tpl = TopicPartitionList::new();
         for ((topic, partition), offset) in next {

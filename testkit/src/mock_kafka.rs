@@ -78,9 +78,10 @@ impl MockKafka {
     }
 
     /// The next requests of `api`, to any broker, answered with these errors in
-    /// turn (written to the log only when the answer is no error).
-    /// `RD_KAFKA_RESP_ERR__TRANSPORT` handles the request and then closes the
-    /// connection: a produce written whose acknowledgement is lost.
+    /// turn; a produce answered an error is not written.
+    /// `RD_KAFKA_RESP_ERR__TRANSPORT` closes the connection as well (the
+    /// produce not written): for a write whose acknowledgement is lost, see
+    /// [`MockKafka::answer_from`] and [`MockKafka::down`].
     pub fn answer_next(&self, api: RDKafkaApiKey, errors: &[RDKafkaRespErr]) {
         unsafe {
             sys::rd_kafka_mock_push_request_errors_array(

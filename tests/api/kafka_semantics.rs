@@ -286,48 +286,109 @@ async fn standing(app: &TestApp) -> HashSet<i32> {
         .collect()
 }
 
+/// A group whose one member MySQL refuses: `first` (root, consuming or not)
+/// made the database; `refused` consumes as a user without `INSERT` on
+/// `orders`, until [`Refusal::grant`].
+struct Refusal {
+    first: TestApp,
+    refused: TestApp,
+    user: String,
+    db: String,
+}
+
+impl Refusal {
+    async fn start(lane: &impl Fn(TestAppBuilder) -> TestAppBuilder, first_consumes: bool) -> Self {
+        let builder = TestApp::builder();
+        let builder = if first_consumes {
+            builder.workers()
+        } else {
+            builder
+        };
+        let first = lane(builder).spawn().await;
+        let db: String = sqlx::query_scalar("SELECT DATABASE()")
+            .fetch_one(&first.state.pool)
+            .await
+            .expect("database name");
+        let mut user = unique("fs_");
+        user.truncate(30);
+        let r = |sql: String| Refusal::admin_on(&first, sql);
+        r(format!("CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'")).await;
+        r(format!("GRANT SELECT, UPDATE, DELETE, CREATE, ALTER, INDEX, DROP, LOCK TABLES, CREATE TEMPORARY TABLES ON `{db}`.* TO '{user}'@'%'")).await;
+        let tables: Vec<String> = sqlx::query_scalar(
+            "SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = ? AND table_name <> 'orders'",
+        )
+        .bind(&db)
+        .fetch_all(&first.state.pool)
+        .await
+        .expect("tables");
+        for t in tables {
+            r(format!("GRANT INSERT ON `{db}`.`{t}` TO '{user}'@'%'")).await;
+        }
+        let refused = TestApp::builder()
+            .workers()
+            .database_of(&first)
+            .kafka_of(&first)
+            .mysql_user(&user, "pw")
+            .spawn()
+            .await;
+        Refusal {
+            first,
+            refused,
+            user,
+            db,
+        }
+    }
+
+    async fn admin_on(app: &TestApp, sql: String) {
+        sqlx::query(&sql)
+            .execute(&app.state.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    /// Another consuming member of the group.
+    async fn another_member(&self) -> TestApp {
+        TestApp::builder()
+            .workers()
+            .database_of(&self.first)
+            .kafka_of(&self.first)
+            .spawn()
+            .await
+    }
+
+    /// MySQL lets the refused member write its orders.
+    async fn grant(&self) {
+        let (db, user) = (&self.db, &self.user);
+        Refusal::admin_on(
+            &self.first,
+            format!("GRANT INSERT ON `{db}`.`orders` TO '{user}'@'%'"),
+        )
+        .await;
+    }
+
+    async fn stop(self) {
+        self.refused.stop().await;
+        let user = &self.user;
+        Refusal::admin_on(&self.first, format!("DROP USER '{user}'@'%'")).await;
+        self.first.stop().await;
+    }
+}
+
 /// One member of the group cannot write orders (MySQL refuses its `INSERT`)
 /// and retries; a third member joins. The refused member keeps polling, so
 /// the rebalance completes at once and the other members drain theirs; once
 /// MySQL lets it write again, everything drains and every `202` is one order.
 /// A member that stopped polling would hold up the rebalance, and every
-/// partition with it, until `max.poll.interval.ms`.
+/// partition with it, until `max.poll.interval.ms`: on tansu the other
+/// partitions then never drain here. (librdkafka's mock coordinator does not
+/// wait for a member that has not rejoined: it completes the rebalance
+/// without it, so there this test passes either way.)
 async fn a_member_refused_by_mysql_holds_up_no_rebalance(
     lane: impl Fn(TestAppBuilder) -> TestAppBuilder,
 ) {
-    let first = lane(TestApp::builder().workers()).spawn().await;
-    let db: String = sqlx::query_scalar("SELECT DATABASE()")
-        .fetch_one(&first.state.pool)
-        .await
-        .expect("database name");
-    let user = unique("fs_");
-    let user = &user[..user.len().min(30)];
-    let root = &first.state.pool;
-    let admin = |sql: String| async move {
-        sqlx::query(&sql)
-            .execute(root)
-            .await
-            .unwrap_or_else(|e| panic!("{sql}: {e}"));
-    };
-    admin(format!("CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'")).await;
-    admin(format!("GRANT SELECT, UPDATE, DELETE, CREATE, ALTER, INDEX, DROP, LOCK TABLES, CREATE TEMPORARY TABLES ON `{db}`.* TO '{user}'@'%'")).await;
-    let tables: Vec<String> = sqlx::query_scalar(
-        "SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = ? AND table_name <> 'orders'",
-    )
-    .bind(&db)
-    .fetch_all(root)
-    .await
-    .expect("tables");
-    for t in tables {
-        admin(format!("GRANT INSERT ON `{db}`.`{t}` TO '{user}'@'%'")).await;
-    }
-    let refused = TestApp::builder()
-        .workers()
-        .database_of(&first)
-        .kafka_of(&first)
-        .mysql_user(user, "pw")
-        .spawn()
-        .await;
+    let group = Refusal::start(&lane, true).await;
+    let first = &group.first;
+    let all = first.settings.kafka.partitions as usize;
     let sale = first.open_sale(300, 1).await;
     // Until the refused member holds a partition with a backlog, and another
     // partition drains.
@@ -339,41 +400,37 @@ async fn a_member_refused_by_mysql_holds_up_no_rebalance(
             "no partition ever stood behind the refused member"
         );
         let users = users(&format!("before-{round}"), 10);
-        answers.extend(reserve_all(&first, &sale, &users).await);
-        let stuck = standing(&first).await;
-        if !stuck.is_empty() && stuck.len() < 3 {
+        answers.extend(reserve_all(first, &sale, &users).await);
+        let stuck = standing(first).await;
+        if !stuck.is_empty() && stuck.len() < all {
             break;
         }
     }
-    let third = TestApp::builder()
-        .workers()
-        .database_of(&first)
-        .kafka_of(&first)
-        .spawn()
-        .await;
-    answers.extend(reserve_all(&first, &sale, &users("after", 30)).await);
+    let third = group.another_member().await;
+    answers.extend(reserve_all(first, &sale, &users("after", 30)).await);
     eventually(
         Duration::from_secs(30),
-        "two partitions drained beside the refused member",
+        "every partition but one drained beside the refused member",
         || async {
-            let p = partitions(&first).await;
-            let drained = p.iter().filter(|p| p.lag == 0).count();
-            (drained >= 2).then_some(())
+            let drained = partitions(first)
+                .await
+                .iter()
+                .filter(|p| p.lag == 0)
+                .count();
+            (drained + 1 >= all).then_some(())
         },
     )
     .await;
     assert!(
-        !standing(&first).await.is_empty(),
+        !standing(first).await.is_empty(),
         "the refused member's partition drained while MySQL refused it"
     );
-    admin(format!("GRANT INSERT ON `{db}`.`orders` TO '{user}'@'%'")).await;
-    let f = quiet_and_sound(&first, &sale, &answers).await;
+    group.grant().await;
+    let f = quiet_and_sound(first, &sale, &answers).await;
     assert_eq!(f.accepted_ordered, f.accepted, "{f:?}");
     assert!(f.accepted >= 40, "{f:?}");
-    refused.stop().await;
     third.stop().await;
-    admin(format!("DROP USER '{user}'@'%'")).await;
-    first.stop().await;
+    group.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -385,4 +442,52 @@ async fn a_member_refused_by_mysql_holds_up_no_rebalance_on_kafkas_protocol() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_member_refused_by_mysql_holds_up_no_rebalance_on_the_test_broker() {
     a_member_refused_by_mysql_holds_up_no_rebalance(|b| b).await;
+}
+
+/// The refused member alone holds every partition and pauses them while it
+/// retries; a second member takes some and drains them, then stops, and they
+/// come back. Once MySQL lets the refused member write, it reads them too: a
+/// partition paused here stays paused through a rebalance unless resumed, and
+/// one handed back paused would never be read again.
+async fn a_partition_paused_and_handed_back_is_read(
+    lane: impl Fn(TestAppBuilder) -> TestAppBuilder,
+) {
+    let group = Refusal::start(&lane, false).await;
+    let first = &group.first;
+    let all = first.settings.kafka.partitions as usize;
+    let sale = first.open_sale(300, 1).await;
+    let mut answers = reserve_all(first, &sale, &users("before", 30)).await;
+    eventually(
+        WAIT,
+        "every partition stuck behind the refused member",
+        || async { (standing(first).await.len() == all).then_some(()) },
+    )
+    .await;
+    let helper = group.another_member().await;
+    eventually(WAIT, "the second member drained what it took", || async {
+        partitions(first)
+            .await
+            .iter()
+            .any(|p| p.lag == 0)
+            .then_some(())
+    })
+    .await;
+    helper.stop().await;
+    group.grant().await;
+    answers.extend(reserve_all(first, &sale, &users("after", 30)).await);
+    let f = quiet_and_sound(first, &sale, &answers).await;
+    assert_eq!(f.accepted_ordered, f.accepted, "{f:?}");
+    assert_eq!(f.accepted, 60, "{f:?}");
+    group.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_partition_paused_and_handed_back_is_read_on_kafkas_protocol() {
+    let mock = MockKafka::start(3);
+    a_partition_paused_and_handed_back_is_read(|b| b.mock_kafka(&mock)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_partition_paused_and_handed_back_is_read_on_the_test_broker() {
+    a_partition_paused_and_handed_back_is_read(|b| b).await;
 }
