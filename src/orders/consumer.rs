@@ -393,9 +393,14 @@ impl OrderConsumer {
         let abandon = shutdown.child_token();
         let started = Instant::now();
         let written = tokio::select! {
-            w = self.writer.write(&incoming, &abandon) => w,
+            w = self.writer.write_unless(&incoming, shutdown, &abandon) => w,
             () = self.serve_group_meanwhile(&batch_partitions, &mut taken, carry, &paused, &abandon) => unreachable!("serves the group until the write ends"),
         };
+        // A rebalance served in the poll that ended with the write: the loop
+        // above never looked at it.
+        let revoked = group.take_revoked();
+        carry.retain(|m| !revoked.contains(&m.partition()));
+        taken.extend(revoked);
         let took = started.elapsed();
         let Some((decisions, refused)) = written else {
             if shutdown.is_cancelled() {
@@ -418,7 +423,6 @@ impl OrderConsumer {
         tracing::debug!(?report, "batch committed");
         // Never an offset of a partition taken meanwhile: its new holder has
         // committed its own, which this one would move back.
-        taken.extend(group.take_revoked());
         self.commit(batch, &taken);
         self.resumed(&paused, Handled::Written(took))
     }
@@ -436,8 +440,9 @@ impl OrderConsumer {
     /// what came before it, which its new holder reads again). Once every
     /// partition of the batch has been taken (an eager rebalance takes them
     /// all), `abandon` ends the write at its next retry, never in the middle of
-    /// a transaction: the batch's new holders read it again from the last
-    /// commit. Runs until the write ends; `taken` gathers what was revoked.
+    /// a transaction, unless its messages are being applied one by one (each
+    /// decided needs its settling): the batch's new holders read it again from
+    /// the last commit. Runs until the write ends; `taken` gathers what was revoked.
     async fn serve_group_meanwhile(
         &self,
         batch: &HashSet<i32>,

@@ -50,10 +50,23 @@ impl OrderWriter {
         batch: &[Incoming],
         shutdown: &CancellationToken,
     ) -> Option<(Vec<Decision>, Vec<(usize, String)>)> {
+        self.write_unless(batch, shutdown, shutdown).await
+    }
+
+    /// [`Self::write`], which `abandon` (a child of `shutdown`) also ends, but
+    /// only while the batch is retried whole: one transaction, nothing of it
+    /// written until it commits. Once its messages are applied one by one,
+    /// each decided needs its settling, and only `shutdown` ends it.
+    pub async fn write_unless(
+        &self,
+        batch: &[Incoming],
+        shutdown: &CancellationToken,
+        abandon: &CancellationToken,
+    ) -> Option<(Vec<Decision>, Vec<(usize, String)>)> {
         if batch.is_empty() {
             return Some((Vec::new(), Vec::new()));
         }
-        match self.decide(batch, NewRows::Order, shutdown).await? {
+        match self.decide(batch, NewRows::Order, abandon).await? {
             Ok(decisions) => Some((decisions, Vec::new())),
             Err(err) => {
                 // Something in the batch is bad data; find it by applying each
