@@ -64,6 +64,15 @@ pub fn whole_i64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i64, D::Error
         .ok_or_else(|| serde::de::Error::custom(format!("expected a whole number, got {v}")))
 }
 
+/// Serde: [`whole_i64`] for an optional field (`null` or absent: `None`).
+pub fn whole_i64_opt<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+    use serde::Deserialize;
+    match Option::<serde_json::Value>::deserialize(d)? {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => whole_i64(v).map(Some).map_err(serde::de::Error::custom),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

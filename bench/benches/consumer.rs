@@ -90,6 +90,8 @@ async fn environment(base: &Settings, tag: &str) -> anyhow::Result<Env> {
         stock_shards: 1,
         admission: flashsale::activity::Admission::Open,
         waiting_room_secs: 600,
+        price: None,
+        currency: None,
     }
     .validate()
     .map_err(|e| anyhow::anyhow!("{e}"))?;

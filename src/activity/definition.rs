@@ -26,6 +26,10 @@ pub struct Activity {
     pub starts_at: DateTime<Utc>,
     pub ends_at: DateTime<Utc>,
     pub payment_timeout_secs: u32,
+    /// What one unit costs, in the currency's minor units (cents for `usd`).
+    pub price: Option<i64>,
+    /// ISO 4217, lower case; present exactly when `price` is.
+    pub currency: Option<String>,
     pub paused: bool,
     /// Paused by the service itself (its Redis state was lost); resumed by itself
     /// once rebuilt.
@@ -104,6 +108,8 @@ impl Activity {
             starts_at,
             ends_at: starts_at + chrono::Duration::hours(1),
             payment_timeout_secs: 900,
+            price: None,
+            currency: None,
             paused: false,
             auto_paused: false,
             redis_epoch: 1,
@@ -178,6 +184,15 @@ pub struct NewActivity {
     )]
     #[schema(minimum = 0, maximum = 604_800)]
     pub waiting_room_secs: i64,
+    /// What one unit costs, in the currency's minor units (cents for `usd`,
+    /// yen for `jpy`); given with `currency` or not at all.
+    #[serde(default, deserialize_with = "crate::input::whole_i64_opt")]
+    #[schema(minimum = 0, maximum = 1e12)]
+    pub price: Option<i64>,
+    /// ISO 4217, lower case (`usd`, `eur`, `jpy`); given with `price`.
+    #[schema(pattern = "^[a-z]{3}$")]
+    #[serde(default)]
+    pub currency: Option<String>,
 }
 
 fn default_admission() -> Admission {
@@ -210,6 +225,14 @@ pub const MAX_STOCK: i64 = 10_000_000;
 pub const MAX_PAYMENT_TIMEOUT_SECS: i64 = 7 * 24 * 3600;
 /// Most hash tags one activity's stock may be split over.
 pub const MAX_STOCK_SHARDS: i64 = 64;
+/// Highest price, in minor units: far above any unit's, far below MySQL's
+/// and JavaScript's integer limits.
+pub const MAX_PRICE: i64 = 1_000_000_000_000;
+
+/// Whether `c` is written as an ISO 4217 code is, in lower case.
+fn is_currency_code(c: &str) -> bool {
+    c.len() == 3 && c.bytes().all(|b| b.is_ascii_lowercase())
+}
 
 /// What a (re)build writes into Redis, read from MySQL in one snapshot.
 #[derive(Debug, Clone, Default)]
@@ -238,6 +261,8 @@ pub struct ValidActivity {
     pub starts_at: DateTime<Utc>,
     pub ends_at: DateTime<Utc>,
     pub payment_timeout_secs: u32,
+    pub price: Option<i64>,
+    pub currency: Option<String>,
 }
 
 impl NewActivity {
@@ -293,6 +318,26 @@ impl NewActivity {
                 "waiting_room_secs must be between 0 and {MAX_WAITING_ROOM_SECS}"
             )));
         }
+        match (self.price, &self.currency) {
+            (None, None) => {}
+            (Some(price), Some(currency)) => {
+                if !(0..=MAX_PRICE).contains(&price) {
+                    return Err(AppError::invalid(format!(
+                        "price must be a whole number of the currency's minor units between 0 and {MAX_PRICE}"
+                    )));
+                }
+                if !is_currency_code(currency) {
+                    return Err(AppError::invalid(
+                        "currency must be an ISO 4217 code in lower case, such as usd",
+                    ));
+                }
+            }
+            _ => {
+                return Err(AppError::invalid(
+                    "price and currency go together: give both or neither",
+                ))
+            }
+        }
         // The ranges above were checked, so these conversions cannot fail.
         let to_u32 = |v: i64| u32::try_from(v).map_err(|_| AppError::invalid("value out of range"));
         Ok(ValidActivity {
@@ -309,6 +354,8 @@ impl NewActivity {
             starts_at: truncate_ms(self.starts_at),
             ends_at: truncate_ms(self.ends_at),
             payment_timeout_secs: to_u32(self.payment_timeout_secs)?,
+            price: self.price,
+            currency: self.currency,
         })
     }
 }
@@ -334,6 +381,8 @@ mod tests {
             stock_shards: 1,
             admission: Admission::Open,
             waiting_room_secs: 600,
+            price: None,
+            currency: None,
         }
     }
 

@@ -11,7 +11,8 @@ use super::definition::{Activity, Build, ValidActivity};
 // `admission` is an ENUM column, read as text.
 const COLUMNS: &str = "id, sku, stock, available, per_user_limit, stock_shards, \
                        CAST(admission AS CHAR) AS admission, \
-                       waiting_room_secs, starts_at, ends_at, payment_timeout_secs, paused, \
+                       waiting_room_secs, starts_at, ends_at, payment_timeout_secs, price, \
+                       CAST(currency AS CHAR) AS currency, paused, \
                        auto_paused, redis_epoch, redis_built_epoch, redis_removing, redis_removed_at, created_at";
 
 /// Why a top-up was refused.
@@ -140,8 +141,8 @@ impl ActivityRepo {
         let inserted = sqlx::query(
             "INSERT INTO activities \
              (id, sku, stock, available, per_user_limit, stock_shards, admission, \
-              waiting_room_secs, starts_at, ends_at, payment_timeout_secs) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+              waiting_room_secs, starts_at, ends_at, payment_timeout_secs, price, currency) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&a.id)
         .bind(&a.sku)
@@ -154,6 +155,8 @@ impl ActivityRepo {
         .bind(a.starts_at.naive_utc())
         .bind(a.ends_at.naive_utc())
         .bind(a.payment_timeout_secs)
+        .bind(a.price)
+        .bind(&a.currency)
         .execute(&mut *tx)
         .await;
         match inserted {

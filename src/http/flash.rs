@@ -47,6 +47,12 @@ pub struct SaleStatus {
     /// With a waiting room: when users may start joining it.
     #[serde(skip_serializing_if = "Option::is_none")]
     queue_opens_at: Option<DateTime<Utc>>,
+    /// What one unit costs, in the currency's minor units (a sale with a price).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    price: Option<i64>,
+    /// ISO 4217, lower case (a sale with a price).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    currency: Option<String>,
     /// The service's clock when it answered: a client counts down to
     /// `starts_at` by this clock, not by its own.
     server_time: DateTime<Utc>,
@@ -103,6 +109,8 @@ pub async fn status(
         admission: activity.admission,
         queue_opens_at: (activity.admission == Admission::WaitingRoom)
             .then(|| activity.joins_from()),
+        price: activity.price,
+        currency: activity.currency.clone(),
         server_time: now,
     }))
 }

@@ -29,6 +29,8 @@ pub struct SaleSpec {
     /// Admission through the waiting room (joinable 600 s before the start)
     /// instead of first come, first served.
     pub waiting_room: bool,
+    /// A price in minor units and its currency (`"price"`, `"currency"`).
+    pub price: Option<(i64, String)>,
 }
 
 impl SaleSpec {
@@ -42,6 +44,7 @@ impl SaleSpec {
             starts_in_secs: -5,
             open_secs: 3600,
             waiting_room: false,
+            price: None,
         }
     }
 }
@@ -58,8 +61,7 @@ pub async fn open_sale(
     let sku = spec.sku.clone().unwrap_or_else(|| crate::unique("sku-"));
     let now = chrono::Utc::now();
     let starts_at = now + chrono::Duration::seconds(spec.starts_in_secs);
-    let resp = api
-        .create_activity(&json!({
+    let mut body = json!({
             "sku": sku,
             "stock": spec.stock,
             "per_user_limit": spec.per_user_limit,
@@ -69,7 +71,13 @@ pub async fn open_sale(
             "stock_shards": spec.stock_shards,
             "admission": if spec.waiting_room { "waiting_room" } else { "open" },
             "waiting_room_secs": 600,
-        }))
+    });
+    if let Some((price, currency)) = &spec.price {
+        body["price"] = json!(price);
+        body["currency"] = json!(currency);
+    }
+    let resp = api
+        .create_activity(&body)
         .send()
         .await
         .map_err(|e| format!("create the sale: {e}"))?;

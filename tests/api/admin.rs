@@ -67,6 +67,93 @@ async fn create_returns_the_stored_activity_and_refuses_overlaps() {
     app.stop().await;
 }
 
+/// A price in the currency's minor units and its ISO 4217 code are kept and
+/// shown to operators and buyers; a sale without one shows none.
+#[tokio::test]
+async fn a_price_is_stored_and_shown() {
+    let app = spawn_app().await;
+    let (start, end) = (Utc::now(), Utc::now() + chrono::Duration::hours(1));
+    let sku = unique("sku-");
+    let resp = app
+        .create_activity(json!({
+            "sku": sku, "stock": 3, "starts_at": start, "ends_at": end,
+            "price": 1999, "currency": "usd",
+        }))
+        .await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    let created: Value = resp.json().await.expect("json");
+    assert_eq!(
+        (created["price"].clone(), created["currency"].clone()),
+        (json!(1999), json!("usd"))
+    );
+    let id = created["id"].as_str().expect("id");
+    let stored: Value = app.activity(id).await.json().await.expect("json");
+    assert_eq!(
+        (stored["price"].clone(), stored["currency"].clone()),
+        (json!(1999), json!("usd"))
+    );
+    let sale = app.sale_state(&sku).await;
+    assert_eq!(
+        (sale["price"].clone(), sale["currency"].clone()),
+        (json!(1999), json!("usd"))
+    );
+    // A free unit is a price too; a sale without a price shows none.
+    let free = unique("sku-");
+    let resp = app
+        .create_activity(json!({
+            "sku": free, "stock": 1, "starts_at": start, "ends_at": end, "price": 0, "currency": "jpy",
+        }))
+        .await;
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    assert_eq!(app.sale_state(&free).await["price"], 0);
+    let plain = app.open_sale(1, 1).await;
+    let sale = app.sale_state(&plain.sku).await;
+    assert!(
+        sale.get("price").is_none() && sale.get("currency").is_none(),
+        "{sale}"
+    );
+    app.stop().await;
+}
+
+/// Every malformed price or currency is `422 invalid_request`, and no
+/// activity is created.
+#[tokio::test]
+async fn a_bad_price_is_refused_and_creates_nothing() {
+    let app = spawn_app().await;
+    let (start, end) = (Utc::now(), Utc::now() + chrono::Duration::hours(1));
+    let sku = unique("sku-");
+    for (price, currency) in [
+        (json!(-1), json!("usd")),
+        (json!(19.99), json!("usd")),
+        (json!("1999"), json!("usd")),
+        (json!(1_000_000_000_001_i64), json!("usd")),
+        (json!(1999), json!("USD")),
+        (json!(1999), json!("us")),
+        (json!(1999), json!("usdx")),
+        (json!(1999), json!(7)),
+        (json!(1999), Value::Null),
+        (Value::Null, json!("usd")),
+    ] {
+        let mut body = json!({ "sku": sku, "stock": 3, "starts_at": start, "ends_at": end });
+        if !price.is_null() {
+            body["price"] = price.clone();
+        }
+        if !currency.is_null() {
+            body["currency"] = currency.clone();
+        }
+        let resp = app.create_activity(body).await;
+        let what = format!("price {price}, currency {currency}");
+        assert_eq!(resp.status(), StatusCode::UNPROCESSABLE_ENTITY, "{what}");
+        assert_error(resp, StatusCode::UNPROCESSABLE_ENTITY, "invalid_request").await;
+    }
+    let listed: Vec<Value> = app.activities().await.json().await.expect("json");
+    assert!(
+        listed.iter().all(|a| a["sku"] != sku.as_str()),
+        "{listed:?}"
+    );
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn concurrent_overlapping_creations_store_one() {
     let app = spawn_app().await;

@@ -241,6 +241,7 @@ async fn three_buyers_race_for_two_units_through_a_pause_and_a_lost_answer() {
         .open_sale_spec(&SaleSpec {
             starts_in_secs: 12,
             payment_timeout_secs: 3600,
+            price: Some((1999, "usd".into())),
             ..SaleSpec::new(2)
         })
         .await;
@@ -258,6 +259,7 @@ async fn three_buyers_race_for_two_units_through_a_pause_and_a_lost_answer() {
         b.wait_phase("waiting_start").await;
         assert_eq!(b.text("#countdown-label").await, "Starts in");
         assert_eq!(b.text("#admission").await, "first come");
+        assert_eq!(b.text("#price").await, "$19.99");
         assert!(!b.browser.enabled("#buy").await.expect("Buy"));
     }
     for b in &buyers {
