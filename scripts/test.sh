@@ -37,13 +37,14 @@ if [[ $# -eq 0 ]]; then
         cargo test --workspace --locked --test api -- reserve:: orders:: reconcile:: shards:: gate:: waiting_room:: retention:: polls:: 2>&1 | tee -a "$log"
     cluster_status=${PIPESTATUS[0]}
     [[ $status -ne 0 ]] || status=$cluster_status
-    echo "== the deployment files: alert rules and their unit tests (promtool), the dashboard, the Kubernetes manifests, docker-compose.yml (validated, not started); the broker holds no inherited descriptor"
+    echo "== the deployment files: alert rules and their unit tests (promtool), the dashboard, the Kubernetes manifests, docker-compose.yml (validated, not started), the AsyncAPI document; the broker holds no inherited descriptor"
     passed=0 failed=0
     for check in "promtool check rules deploy/prometheus/alerts.yml" \
                  "promtool test rules deploy/prometheus/alerts_test.yml" \
                  "python3 -m json.tool deploy/grafana/flashsale.json" \
                  ".run/tools-venv/bin/kubernetes-validate --strict deploy/kubernetes/api.yaml deploy/kubernetes/consumer.yaml" \
                  "scripts/compose-check.sh" \
+                 "scripts/asyncapi-check.sh" \
                  "scripts/services.sh check-kafka-fds"; do
         if $check >/dev/null 2>"$log.err"; then
             passed=$((passed + 1)); echo "ok: $check"

@@ -16,9 +16,13 @@
 #   faketime             the fault suite runs service instances under a skewed
 #                        clock with its library, libfaketime (Debian's faketime
 #                        package; `tests/faults/scenarios/clock_skewed.rs`)
+#   asyncapi             validates docs/asyncapi.yaml (`scripts/asyncapi-check.sh`):
+#                        the AsyncAPI Initiative's own parser, @asyncapi/parser,
+#                        from the npm registry into .run/tools-node, run by the
+#                        machine's Node.js (Debian's nodejs and npm when missing)
 #
 # Idempotent; prints one line per tool. With arguments, only the tools named:
-# promtool, python (the PyPI tools), chromium, docker-compose, faketime
+# promtool, python (the PyPI tools), chromium, docker-compose, faketime, asyncapi
 # (`scripts/tools.sh faketime`, as `scripts/faults-loop.sh` runs it).
 set -euo pipefail
 
@@ -109,8 +113,30 @@ faketime_tool() {
     fi
 }
 
+NODE_TOOLS="$REPO_ROOT/.run/tools-node"
+ASYNCAPI_PARSER=3.6.6
+asyncapi_tool() {
+    if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+        echo "tools: installing Node.js (Debian packages nodejs, npm)"
+        as_root apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq nodejs npm >/dev/null
+    fi
+    local manifest="$NODE_TOOLS/node_modules/@asyncapi/parser/package.json"
+    local installed
+    installed="$(node -p "require('$manifest').version" 2>/dev/null || true)"
+    if [[ "$installed" == "$ASYNCAPI_PARSER" ]]; then
+        echo "tools: @asyncapi/parser $installed present in .run/tools-node"
+    else
+        echo "tools: installing @asyncapi/parser $ASYNCAPI_PARSER into .run/tools-node"
+        mkdir -p "$NODE_TOOLS"
+        npm install --prefix "$NODE_TOOLS" --no-audit --no-fund --silent \
+            "@asyncapi/parser@$ASYNCAPI_PARSER"
+        echo "tools: @asyncapi/parser $(node -p "require('$manifest').version") installed"
+    fi
+}
+
 wanted=("$@")
-[[ ${#wanted[@]} -gt 0 ]] || wanted=(promtool python chromium docker-compose faketime)
+[[ ${#wanted[@]} -gt 0 ]] || wanted=(promtool python chromium docker-compose faketime asyncapi)
 for tool in "${wanted[@]}"; do
     case "$tool" in
         promtool) promtool_tool ;;
@@ -118,8 +144,9 @@ for tool in "${wanted[@]}"; do
         chromium) chromium_tool ;;
         docker-compose) docker_compose_tool ;;
         faketime) faketime_tool ;;
+        asyncapi) asyncapi_tool ;;
         *)
-            echo "tools: no tool $tool (promtool, python, chromium, docker-compose, faketime)" >&2
+            echo "tools: no tool $tool (promtool, python, chromium, docker-compose, faketime, asyncapi)" >&2
             exit 2
             ;;
     esac

@@ -19,6 +19,7 @@ mod reconcile;
 mod reserve;
 mod retention;
 mod shards;
+mod topics;
 mod topup;
 mod traces;
 mod ui;
