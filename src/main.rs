@@ -73,6 +73,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
     match command {
         Command::Serve => {
             settings.check_published_secrets(&config::environment())?;
+            settings.check_payments(&config::environment())?;
             settings.check_identity_provider()?;
             let app = Application::build(settings).await?;
             let drain = app.drain_token();

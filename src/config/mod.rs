@@ -40,6 +40,26 @@ pub struct Settings {
     pub reconcile: ReconcileSettings,
     pub waiting_room: WaitingRoomSettings,
     pub telemetry: TelemetrySettings,
+    pub payments: PaymentsSettings,
+}
+
+/// How an order comes to be paid (API version 4, "Payments").
+#[derive(Debug, Clone, Deserialize)]
+pub struct PaymentsSettings {
+    pub provider: PaymentProvider,
+    /// In production, accept `provider = "none"` all the same: orders marked
+    /// paid by their owners, with no money checked.
+    pub allow_unverified: bool,
+}
+
+/// Who says an order is paid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum PaymentProvider {
+    /// Nobody: `POST /orders/{order_id}/pay` by the owner marks the order paid
+    /// at once (development and tests; refused in production unless
+    /// `payments.allow_unverified`).
+    #[serde(rename = "none")]
+    None,
 }
 
 /// OpenTelemetry traces, exported over OTLP/HTTP with JSON bodies. Off unless
@@ -532,6 +552,19 @@ impl Settings {
     /// another machine, even to a loopback listener).
     /// `server.ops_addr` does not matter here: it serves no authenticated
     /// endpoint, so the secrets cannot be used through it. Called by `serve`.
+    /// Refuses, in production (`FLASHSALE_ENV=production`), orders paid on
+    /// their owners' word (`payments.provider = "none"`) unless the deployment
+    /// says it means it (`payments.allow_unverified = true`). Called by `serve`.
+    pub fn check_payments(&self, env: &str) -> anyhow::Result<()> {
+        if env == "production"
+            && self.payments.provider == PaymentProvider::None
+            && !self.payments.allow_unverified
+        {
+            bail!("refusing to start: payments.provider = \"none\" lets buyers mark their own orders paid, with no payment checked, and FLASHSALE_ENV=production; set FLASHSALE__PAYMENTS__ALLOW_UNVERIFIED=true if that is what this deployment wants");
+        }
+        Ok(())
+    }
+
     pub fn check_published_secrets(&self, env: &str) -> anyhow::Result<()> {
         let published: Vec<&str> = [
             (
@@ -773,6 +806,26 @@ mod tests {
         let err = Settings::load_with_vars(&config_dir(), "development", Some(vars))
             .expect_err("a short token is refused");
         assert!(format!("{err:#}").contains("16 to 256"), "{err:#}");
+    }
+
+    #[test]
+    fn production_refuses_unverified_payments_unless_allowed() {
+        let mut s =
+            Settings::load_from(&config_dir(), "development").expect("default config loads");
+        assert_eq!(s.payments.provider, PaymentProvider::None);
+        assert!(!s.payments.allow_unverified, "the default refuses");
+        let err = s
+            .check_payments("production")
+            .expect_err("refused in production");
+        assert!(
+            err.to_string()
+                .contains("FLASHSALE__PAYMENTS__ALLOW_UNVERIFIED"),
+            "{err}"
+        );
+        assert!(s.check_payments("test").is_ok());
+        assert!(s.check_payments("development").is_ok());
+        s.payments.allow_unverified = true;
+        assert!(s.check_payments("production").is_ok());
     }
 
     #[test]

@@ -533,6 +533,47 @@ async fn the_development_secrets_are_refused_on_a_public_address() {
     );
 }
 
+/// In production, orders paid on their owners' word (`payments.provider =
+/// "none"`) are refused at start, unless `payments.allow_unverified` says the
+/// deployment means it; then the same process serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn production_refuses_unverified_payments_unless_allowed() {
+    let app = spawn_app().await;
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let mut env = app.binary_env();
+    env.set("FLASHSALE_ENV", "production");
+    env.set("FLASHSALE__AUTH__ADMIN_TOKEN", "a-production-admin-token-1");
+    env.set(
+        "FLASHSALE__AUTH__USER_TOKEN_SECRET",
+        "a-production-user-secret-1",
+    );
+    env.set("RUST_BACKTRACE", "0");
+    let port = testkit::process::free_port();
+    env.set("FLASHSALE__SERVER__ADDR", format!("127.0.0.1:{port}"));
+    let mut serve =
+        testkit::process::flashsale(&["serve"], &env, dir.path().join("serve.log"), "serve");
+    let exited = eventually(Duration::from_secs(20), "serve to refuse to start", || {
+        let exited = serve.try_wait();
+        async move { exited }
+    })
+    .await;
+    let log = serve.log_tail(20);
+    assert!(!exited, "exited with success:\n{log}");
+    assert!(
+        log.contains("refusing to start") && log.contains("FLASHSALE__PAYMENTS__ALLOW_UNVERIFIED"),
+        "{log}"
+    );
+    env.set("FLASHSALE__PAYMENTS__ALLOW_UNVERIFIED", "true");
+    let mut allowed =
+        testkit::process::flashsale(&["serve"], &env, dir.path().join("allowed.log"), "allowed");
+    tokio::task::block_in_place(|| {
+        testkit::process::wait_for_port(port, Duration::from_secs(30), "serve in production")
+    });
+    assert_eq!(allowed.try_wait(), None, "{}", allowed.log_tail(20));
+    allowed.terminate();
+    app.stop().await;
+}
+
 /// `redis.min_replicas_acked = auto`, the default: a `202` waits for the
 /// replica while the sale's primary has one online (a replica that stopped
 /// answering makes it `503`, nothing held), and, once the primary has none, does

@@ -171,6 +171,9 @@ impl Deployment {
         let mut env = Env::new(bin, opts.repo.join("config"));
         for (k, v) in [
             ("FLASHSALE_ENV", "production".to_owned()),
+            // Its buyers mark their own orders paid (payments.provider = none),
+            // which production refuses unless told it is meant.
+            ("FLASHSALE__PAYMENTS__ALLOW_UNVERIFIED", "true".to_owned()),
             ("FLASHSALE__AUTH__ADMIN_TOKEN", admin.clone()),
             (
                 "FLASHSALE__AUTH__USER_TOKEN_SECRET",
