@@ -421,10 +421,9 @@ async fn a_member_refused_by_mysql_holds_up_no_rebalance(
         },
     )
     .await;
-    assert!(
-        !standing(first).await.is_empty(),
-        "the refused member's partition drained while MySQL refused it"
-    );
+    // (Whether the refused member still holds a backlog now is not asked:
+    // under tansu-0.6 another member's rejoin over the standing partition may
+    // hand it elsewhere, and the refused member one with nothing waiting.)
     group.grant().await;
     let f = quiet_and_sound(first, &sale, &answers).await;
     assert_eq!(f.accepted_ordered, f.accepted, "{f:?}");
