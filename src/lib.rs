@@ -16,6 +16,7 @@ pub mod input;
 pub mod kafka;
 pub mod operators;
 pub mod orders;
+pub mod payments;
 pub mod periodic;
 pub mod readiness;
 pub mod reconcile;

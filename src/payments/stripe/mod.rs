@@ -1,0 +1,3 @@
+//! Stripe: Checkout Sessions and their signed webhooks.
+
+pub mod signature;
