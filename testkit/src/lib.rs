@@ -17,7 +17,10 @@
 //! - [`invariants`]: waiting until a sale is quiet, then checking docs/DESIGN.md's
 //!   invariants against MySQL, Redis and the answers the clients got;
 //! - [`otlp`]: an OpenTelemetry trace receiver (OTLP/HTTP, JSON) that keeps
-//!   the spans a service exports.
+//!   the spans a service exports;
+//! - [`stripe`]: a fake Stripe (Checkout Sessions with Stripe's own error
+//!   answers, a switch to fail or stall, signed events);
+//! - [`mock_kafka`]: librdkafka's mock cluster with its fault injection.
 
 pub mod api;
 pub mod availability;
@@ -33,6 +36,7 @@ pub mod relay;
 pub mod rng;
 pub mod sale;
 pub mod stats;
+pub mod stripe;
 
 use std::time::{Duration, Instant};
 

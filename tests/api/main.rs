@@ -19,6 +19,7 @@ mod reconcile;
 mod reserve;
 mod retention;
 mod shards;
+mod stripe_client;
 mod topics;
 mod topup;
 mod traces;
