@@ -53,7 +53,10 @@ COPY --from=builder /src/target/release/flashsale /usr/local/bin/flashsale
 COPY config/ /app/config/
 # An image is a deployment: config/production.toml applies, and `serve` refuses
 # the published development secrets. Pass FLASHSALE__AUTH__ADMIN_TOKEN and
-# FLASHSALE__AUTH__USER_TOKEN_SECRET (at least 16 characters each).
+# FLASHSALE__AUTH__USER_TOKEN_SECRET (at least 16 characters each). It also
+# refuses orders paid on their owners' word (payments.provider = "none", the
+# only provider yet) unless FLASHSALE__PAYMENTS__ALLOW_UNVERIFIED=true says
+# that is meant.
 ENV FLASHSALE_ENV=production
 WORKDIR /app
 USER flashsale

@@ -64,12 +64,17 @@ pub fn whole_i64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i64, D::Error
         .ok_or_else(|| serde::de::Error::custom(format!("expected a whole number, got {v}")))
 }
 
-/// Serde: [`whole_i64`] for an optional field (`null` or absent: `None`).
-pub fn whole_i64_opt<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+/// Serde: an optional `i64` written as a JSON integer (`null` or absent:
+/// `None`). No float is taken, whole or not: `1e-400` reads as `0.0`, and a
+/// price must never become 0 that way.
+pub fn integer_i64_opt<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
     use serde::Deserialize;
     match Option::<serde_json::Value>::deserialize(d)? {
         None | Some(serde_json::Value::Null) => Ok(None),
-        Some(v) => whole_i64(v).map(Some).map_err(serde::de::Error::custom),
+        Some(v) => v
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| serde::de::Error::custom(format!("expected an integer, got {v}"))),
     }
 }
 

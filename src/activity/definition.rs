@@ -184,9 +184,9 @@ pub struct NewActivity {
     )]
     #[schema(minimum = 0, maximum = 604_800)]
     pub waiting_room_secs: i64,
-    /// What one unit costs, in the currency's minor units (cents for `usd`,
-    /// yen for `jpy`); given with `currency` or not at all.
-    #[serde(default, deserialize_with = "crate::input::whole_i64_opt")]
+    /// What one unit costs, an integer of the currency's minor units (cents
+    /// for `usd`, yen for `jpy`); given with `currency` or not at all.
+    #[serde(default, deserialize_with = "crate::input::integer_i64_opt")]
     #[schema(minimum = 0, maximum = 1e12)]
     pub price: Option<i64>,
     /// ISO 4217, lower case (`usd`, `eur`, `jpy`); given with `price`.

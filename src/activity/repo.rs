@@ -1,5 +1,8 @@
 //! MySQL access for activities.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
 use chrono::{DateTime, Utc};
 use sqlx::MySqlPool;
 
@@ -8,12 +11,38 @@ use super::definition::{Activity, Build, ValidActivity};
 // Times are bound as DATETIME (`naive_utc`), the columns' type: bound as a
 // TIMESTAMP, MariaDB turns anything past 2038-01-19 into NULL.
 
-// `admission` is an ENUM column, read as text.
-const COLUMNS: &str = "id, sku, stock, available, per_user_limit, stock_shards, \
-                       CAST(admission AS CHAR) AS admission, \
-                       waiting_room_secs, starts_at, ends_at, payment_timeout_secs, price, \
-                       CAST(currency AS CHAR) AS currency, paused, \
-                       auto_paused, redis_epoch, redis_built_epoch, redis_removing, redis_removed_at, created_at";
+// `admission` is an ENUM column, read as text. `$price` reads the price and
+// its currency: the columns, or NULLs while MySQL lacks them.
+macro_rules! columns {
+    ($price:literal) => {
+        concat!(
+            "id, sku, stock, available, per_user_limit, stock_shards, \
+             CAST(admission AS CHAR) AS admission, \
+             waiting_room_secs, starts_at, ends_at, payment_timeout_secs, ",
+            $price,
+            ", paused, auto_paused, redis_epoch, redis_built_epoch, redis_removing, \
+             redis_removed_at, created_at"
+        )
+    };
+}
+const COLUMNS: &str = columns!("price, CAST(currency AS CHAR) AS currency");
+/// Before the migration `20261212000001_activity_price`: no sale has a price.
+const COLUMNS_UNPRICED: &str =
+    columns!("CAST(NULL AS SIGNED) AS price, CAST(NULL AS CHAR) AS currency");
+
+/// How often a repository that found no price columns looks again.
+const PRICE_COLUMNS_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Whether MySQL has the activities' `price` and `currency` columns. A
+/// release is rolled out before `flashsale migrate` runs (docs/operations.md,
+/// "Upgrading"): until the columns exist, activities are read without a price
+/// and a sale with one cannot be created yet.
+#[derive(Clone, Default)]
+struct PriceColumns {
+    present: Arc<AtomicBool>,
+    /// When they were last looked for and not found.
+    missed_at: Arc<Mutex<Option<std::time::Instant>>>,
+}
 
 /// Why a top-up was refused.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +66,8 @@ pub enum CreateError {
     DuplicateId(String),
     #[error("sku {sku} already has activity {other} whose window overlaps")]
     Overlap { sku: String, other: String },
+    #[error("MySQL has no price columns yet: run `flashsale migrate`")]
+    NoPriceColumns,
     #[error(transparent)]
     Db(#[from] sqlx::Error),
 }
@@ -72,6 +103,7 @@ impl BuildLock {
 #[derive(Clone)]
 pub struct ActivityRepo {
     pool: MySqlPool,
+    prices: PriceColumns,
 }
 
 impl ActivityRepo {
@@ -102,7 +134,64 @@ impl ActivityRepo {
     }
 
     pub fn new(pool: MySqlPool) -> Self {
-        ActivityRepo { pool }
+        ActivityRepo {
+            pool,
+            prices: PriceColumns::default(),
+        }
+    }
+
+    /// Whether MySQL has the price columns: once found, for good; while not,
+    /// looked for again at most every [`PRICE_COLUMNS_EVERY`].
+    pub async fn priced(&self) -> bool {
+        if self.prices.present.load(Ordering::Relaxed) {
+            return true;
+        }
+        {
+            let missed = self
+                .prices
+                .missed_at
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if missed.is_some_and(|at| at.elapsed() < PRICE_COLUMNS_EVERY) {
+                return false;
+            }
+        }
+        let found: Result<i64, sqlx::Error> = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.COLUMNS \
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'activities' \
+             AND COLUMN_NAME IN ('price', 'currency')",
+        )
+        .fetch_one(&self.pool)
+        .await;
+        match found {
+            Ok(2) => {
+                self.prices.present.store(true, Ordering::Relaxed);
+                true
+            }
+            Ok(_) => {
+                tracing::warn!("MySQL has no price columns yet (run `flashsale migrate` once every instance runs this release): sales are read without a price, and one with a price cannot be created until then");
+                *self
+                    .prices
+                    .missed_at
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now());
+                false
+            }
+            // Whatever the query that follows would have met: it says so.
+            Err(err) => {
+                tracing::warn!(error = %err, "could not look for MySQL's price columns");
+                false
+            }
+        }
+    }
+
+    /// The columns an activity is read with.
+    async fn columns(&self) -> &'static str {
+        if self.priced().await {
+            COLUMNS
+        } else {
+            COLUMNS_UNPRICED
+        }
     }
 
     pub fn pool(&self) -> &MySqlPool {
@@ -138,27 +227,37 @@ impl ActivityRepo {
                 other,
             });
         }
-        let inserted = sqlx::query(
+        let priced = self.priced().await;
+        if !priced && a.price.is_some() {
+            return Err(CreateError::NoPriceColumns);
+        }
+        let insert = if priced {
             "INSERT INTO activities \
              (id, sku, stock, available, per_user_limit, stock_shards, admission, \
               waiting_room_secs, starts_at, ends_at, payment_timeout_secs, price, currency) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(&a.id)
-        .bind(&a.sku)
-        .bind(a.stock)
-        .bind(a.stock)
-        .bind(a.per_user_limit)
-        .bind(a.stock_shards)
-        .bind(a.admission.as_str())
-        .bind(a.waiting_room_secs)
-        .bind(a.starts_at.naive_utc())
-        .bind(a.ends_at.naive_utc())
-        .bind(a.payment_timeout_secs)
-        .bind(a.price)
-        .bind(&a.currency)
-        .execute(&mut *tx)
-        .await;
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        } else {
+            "INSERT INTO activities \
+             (id, sku, stock, available, per_user_limit, stock_shards, admission, \
+              waiting_room_secs, starts_at, ends_at, payment_timeout_secs) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        };
+        let mut query = sqlx::query(insert)
+            .bind(&a.id)
+            .bind(&a.sku)
+            .bind(a.stock)
+            .bind(a.stock)
+            .bind(a.per_user_limit)
+            .bind(a.stock_shards)
+            .bind(a.admission.as_str())
+            .bind(a.waiting_room_secs)
+            .bind(a.starts_at.naive_utc())
+            .bind(a.ends_at.naive_utc())
+            .bind(a.payment_timeout_secs);
+        if priced {
+            query = query.bind(a.price).bind(&a.currency);
+        }
+        let inserted = query.execute(&mut *tx).await;
         match inserted {
             Ok(_) => {}
             Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
@@ -166,7 +265,7 @@ impl ActivityRepo {
             }
             Err(e) => return Err(e.into()),
         }
-        let activity = fetch(&mut *tx, &a.id)
+        let activity = fetch(&mut *tx, self.columns().await, &a.id)
             .await?
             .ok_or(sqlx::Error::RowNotFound)?;
         tx.commit().await?;
@@ -174,14 +273,15 @@ impl ActivityRepo {
     }
 
     pub async fn get(&self, id: &str) -> Result<Option<Activity>, sqlx::Error> {
-        fetch(&self.pool, id).await
+        fetch(&self.pool, self.columns().await, id).await
     }
 
     /// Activities the cache keeps: every one that has not ended, and those that
     /// ended in the last `ended_within` (so `GET /flash/{sku}` can say "ended").
     pub async fn list_recent(&self, since: DateTime<Utc>) -> Result<Vec<Activity>, sqlx::Error> {
+        let columns = self.columns().await;
         sqlx::query_as(&format!(
-            "SELECT {COLUMNS} FROM activities WHERE ends_at >= ? ORDER BY starts_at"
+            "SELECT {columns} FROM activities WHERE ends_at >= ? ORDER BY starts_at"
         ))
         .bind(since.naive_utc())
         .fetch_all(&self.pool)
@@ -197,11 +297,12 @@ impl ActivityRepo {
         ended_before: DateTime<Utc>,
         limit: u32,
     ) -> Result<Vec<Activity>, sqlx::Error> {
+        let columns = self.columns().await;
         sqlx::query_as(&format!(
-            "(SELECT {COLUMNS} FROM activities \
+            "(SELECT {columns} FROM activities \
               WHERE redis_removing = TRUE AND redis_removed_at IS NULL LIMIT ?) \
              UNION ALL \
-             (SELECT {COLUMNS} FROM activities \
+             (SELECT {columns} FROM activities \
               WHERE redis_removing = FALSE AND redis_removed_at IS NULL AND ends_at < ? \
               ORDER BY ends_at LIMIT ?)"
         ))
@@ -235,8 +336,9 @@ impl ActivityRepo {
 
     /// The newest activities first, at most `limit`.
     pub async fn list(&self, limit: u32) -> Result<Vec<Activity>, sqlx::Error> {
+        let columns = self.columns().await;
         sqlx::query_as(&format!(
-            "SELECT {COLUMNS} FROM activities ORDER BY created_at DESC, id LIMIT ?"
+            "SELECT {columns} FROM activities ORDER BY created_at DESC, id LIMIT ?"
         ))
         .bind(limit)
         .fetch_all(&self.pool)
@@ -332,7 +434,9 @@ impl ActivityRepo {
             .bind(units)
             .execute(&mut *tx)
             .await?;
-        let activity = fetch(&mut *tx, id).await?.ok_or(sqlx::Error::RowNotFound)?;
+        let activity = fetch(&mut *tx, self.columns().await, id)
+            .await?
+            .ok_or(sqlx::Error::RowNotFound)?;
         tx.commit().await?;
         Ok((activity, topup_key(&topup)))
     }
@@ -434,11 +538,11 @@ impl ActivityRepo {
     }
 }
 
-async fn fetch<'e, E>(executor: E, id: &str) -> Result<Option<Activity>, sqlx::Error>
+async fn fetch<'e, E>(executor: E, columns: &str, id: &str) -> Result<Option<Activity>, sqlx::Error>
 where
     E: sqlx::Executor<'e, Database = sqlx::MySql>,
 {
-    sqlx::query_as(&format!("SELECT {COLUMNS} FROM activities WHERE id = ?"))
+    sqlx::query_as(&format!("SELECT {columns} FROM activities WHERE id = ?"))
         .bind(id)
         .fetch_optional(executor)
         .await

@@ -45,6 +45,9 @@ pub async fn create(
         CreateError::DuplicateId(_) | CreateError::Overlap { .. } => {
             AppError::Conflict(e.to_string())
         }
+        CreateError::NoPriceColumns => {
+            AppError::Unavailable("a price needs `flashsale migrate` first")
+        }
         CreateError::Db(db) => AppError::from(db),
     })?;
     tracing::info!(activity_id = %activity.id, sku = %activity.sku, stock = activity.stock, "activity created");

@@ -115,6 +115,64 @@ async fn a_price_is_stored_and_shown() {
     app.stop().await;
 }
 
+/// Rolled out before `flashsale migrate`: an instance that finds no price
+/// columns reads every sale without a price, creates one without a price, and
+/// answers one with a price `503` (nothing created); once the columns are
+/// there, it finds them and takes prices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn before_the_price_migration_sales_are_read_and_made_without_prices() {
+    let owner = spawn_app().await;
+    for sql in ["ALTER TABLE activities DROP COLUMN price, DROP COLUMN currency"] {
+        sqlx::query(sql)
+            .execute(&owner.state.pool)
+            .await
+            .expect(sql);
+    }
+    let app = TestApp::builder().database_of(&owner).spawn().await;
+    let (start, end) = (Utc::now(), Utc::now() + chrono::Duration::hours(1));
+    let plain = app.open_sale(2, 1).await;
+    assert_eq!(app.sale_state(&plain.sku).await["state"], "open");
+    let listed: Vec<Value> = app.activities().await.json().await.expect("json");
+    assert!(listed
+        .iter()
+        .any(|a| a["id"] == plain.id.as_str() && a["price"].is_null()));
+    let sku = unique("sku-");
+    let priced = json!({
+        "sku": sku, "stock": 1, "starts_at": start, "ends_at": end, "price": 100, "currency": "eur",
+    });
+    let resp = app.create_activity(priced.clone()).await;
+    assert_error(resp, StatusCode::SERVICE_UNAVAILABLE, "unavailable").await;
+    let listed: Vec<Value> = app.activities().await.json().await.expect("json");
+    assert!(
+        listed.iter().all(|a| a["sku"] != sku.as_str()),
+        "nothing created"
+    );
+    sqlx::query(
+        "ALTER TABLE activities ADD COLUMN price BIGINT NULL, \
+         ADD COLUMN currency CHAR(3) CHARACTER SET ascii NULL",
+    )
+    .execute(&owner.state.pool)
+    .await
+    .expect("the columns back");
+    let created = eventually(
+        Duration::from_secs(45),
+        "a priced sale once migrated",
+        || {
+            let body = priced.clone();
+            let app = &app;
+            async move {
+                let resp = app.create_activity(body).await;
+                (resp.status() == StatusCode::CREATED).then_some(())
+            }
+        },
+    )
+    .await;
+    let () = created;
+    assert_eq!(app.sale_state(&sku).await["price"], 100);
+    app.stop().await;
+    owner.stop().await;
+}
+
 /// Every malformed price or currency is `422 invalid_request`, and no
 /// activity is created.
 #[tokio::test]
@@ -125,6 +183,11 @@ async fn a_bad_price_is_refused_and_creates_nothing() {
     for (price, currency) in [
         (json!(-1), json!("usd")),
         (json!(19.99), json!("usd")),
+        (json!(1999.0), json!("usd")),
+        (
+            serde_json::from_str::<Value>("1e-400").expect("a JSON number"),
+            json!("usd"),
+        ),
         (json!("1999"), json!("usd")),
         (json!(1_000_000_000_001_i64), json!("usd")),
         (json!(1999), json!("USD")),
