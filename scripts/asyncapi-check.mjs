@@ -16,11 +16,11 @@ const addFormats = require("ajv-formats");
 const { document, diagnostics } = await fromFile(new Parser(), file).parse();
 const severities = ["error", "warning", "information", "hint"];
 for (const d of diagnostics) {
-  console.log(`${file}: ${severities[d.severity]}: ${d.message} (at ${d.path.join(".") || "the top"})`);
+  console.error(`${file}: ${severities[d.severity]}: ${d.message} (at ${d.path.join(".") || "the top"})`);
 }
 let errors = diagnostics.filter((d) => d.severity === 0).length;
 if (!document) {
-  console.log(`asyncapi-check: FAILED: ${file} does not parse`);
+  console.error(`asyncapi-check: FAILED: ${file} does not parse`);
   process.exit(1);
 }
 
@@ -31,7 +31,7 @@ function check(what, schema, value) {
   const validate = ajv.compile(schema);
   if (!validate(value)) {
     errors += 1;
-    console.log(`${file}: error: ${what} does not match its schema: ${ajv.errorsText(validate.errors)}`);
+    console.error(`${file}: error: ${what} does not match its schema: ${ajv.errorsText(validate.errors)}`);
   }
 }
 const messages = document.components().messages();
@@ -46,13 +46,13 @@ for (let i = 0; i + 1 < payloads.length; i += 2) {
   const message = messages.get(name);
   if (!message) {
     errors += 1;
-    console.log(`${file}: error: no message ${name}`);
+    console.error(`${file}: error: no message ${name}`);
     continue;
   }
   check(`${path}`, message.payload()?.json(), JSON.parse(readFileSync(path, "utf8")));
 }
 if (errors > 0) {
-  console.log(`asyncapi-check: FAILED: ${file}: ${errors} error(s)`);
+  console.error(`asyncapi-check: FAILED: ${file}: ${errors} error(s)`);
   process.exit(1);
 }
 console.log(`asyncapi-check: ${file} is valid AsyncAPI ${document.version()}`);

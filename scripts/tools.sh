@@ -119,11 +119,12 @@ asyncapi_tool() {
     if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
         echo "tools: installing Node.js (Debian packages nodejs, npm)"
         as_root apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq nodejs npm >/dev/null
+        DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends \
+            nodejs npm >/dev/null
     fi
     local manifest="$NODE_TOOLS/node_modules/@asyncapi/parser/package.json"
     local installed
-    installed="$(node -p "require('$manifest').version" 2>/dev/null || true)"
+    installed="$(MANIFEST="$manifest" node -p 'require(process.env.MANIFEST).version' 2>/dev/null || true)"
     if [[ "$installed" == "$ASYNCAPI_PARSER" ]]; then
         echo "tools: @asyncapi/parser $installed present in .run/tools-node"
     else
@@ -131,7 +132,7 @@ asyncapi_tool() {
         mkdir -p "$NODE_TOOLS"
         npm install --prefix "$NODE_TOOLS" --no-audit --no-fund --silent \
             "@asyncapi/parser@$ASYNCAPI_PARSER"
-        echo "tools: @asyncapi/parser $(node -p "require('$manifest').version") installed"
+        echo "tools: @asyncapi/parser $(MANIFEST="$manifest" node -p 'require(process.env.MANIFEST).version') installed"
     fi
 }
 

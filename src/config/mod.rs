@@ -543,15 +543,6 @@ impl Settings {
         Ok(())
     }
 
-    /// Refuses the published development secrets (`config/default.toml`'s, so
-    /// anyone can sign a user token or act as admin with them) whenever the
-    /// deployment is not plainly local: in production, whenever `server.addr` is
-    /// not a loopback address (whatever the environment is called: a deployment
-    /// that forgets `FLASHSALE_ENV` is still refused), and whenever
-    /// `server.trusted_proxies` names any proxy (requests then come through
-    /// another machine, even to a loopback listener).
-    /// `server.ops_addr` does not matter here: it serves no authenticated
-    /// endpoint, so the secrets cannot be used through it. Called by `serve`.
     /// Refuses, in production (`FLASHSALE_ENV=production`), orders paid on
     /// their owners' word (`payments.provider = "none"`) unless the deployment
     /// says it means it (`payments.allow_unverified = true`). Called by `serve`.
@@ -565,6 +556,15 @@ impl Settings {
         Ok(())
     }
 
+    /// Refuses the published development secrets (`config/default.toml`'s, so
+    /// anyone can sign a user token or act as admin with them) whenever the
+    /// deployment is not plainly local: in production, whenever `server.addr` is
+    /// not a loopback address (whatever the environment is called: a deployment
+    /// that forgets `FLASHSALE_ENV` is still refused), and whenever
+    /// `server.trusted_proxies` names any proxy (requests then come through
+    /// another machine, even to a loopback listener).
+    /// `server.ops_addr` does not matter here: it serves no authenticated
+    /// endpoint, so the secrets cannot be used through it. Called by `serve`.
     pub fn check_published_secrets(&self, env: &str) -> anyhow::Result<()> {
         let published: Vec<&str> = [
             (

@@ -2,7 +2,8 @@
 //! Checkout Sessions API on loopback port 0 with Stripe's own answers where
 //! the service depends on them (a completed session cannot be expired: `400`;
 //! an `Idempotency-Key` reused with other parameters: `400
-//! idempotency_error`; the same key and parameters: the first answer again; a
+//! idempotency_error`; the same key and parameters: the first answer again,
+//! a failure too, marked `Idempotent-Replayed`; a
 //! missing required parameter, or an `expires_at` under 30 minutes away:
 //! `400`; a wrong secret key: `401`; an unknown session: `404`), a switch to
 //! fail or stall, and signed events to deliver to a webhook.
@@ -28,17 +29,23 @@ use serde_json::{json, Value};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     Normal,
-    /// Every request answered this status (a `5xx`: Stripe is down).
+    /// Every request answered this status (a `5xx`: Stripe is failing). A
+    /// creation's failure is kept under its `Idempotency-Key`, as Stripe
+    /// keeps it, and answered again to every try of that key.
     Fail(u16),
     /// Every request held without an answer (Stripe unreachable in time).
     Stall,
 }
 
+/// A key's first request: its parameters, and the answer's status and body.
+type Kept = (Vec<(String, String)>, StatusCode, Value);
+
 #[derive(Default)]
 struct Inner {
     sessions: HashMap<String, Value>,
-    /// Idempotency-Key → (the parameters, the answer).
-    keys: HashMap<String, (Vec<(String, String)>, Value)>,
+    /// Idempotency-Key → (the parameters, the answer's status and body): as
+    /// Stripe does, a key's first answer is kept, failures included.
+    keys: HashMap<String, Kept>,
     /// Requests seen, by "METHOD path-shape".
     seen: HashMap<String, usize>,
     mode: Option<Mode>,
@@ -190,32 +197,46 @@ pub fn sign(secret: &str, t: i64, body: &[u8]) -> String {
     format!("t={t},v1={hex}")
 }
 
-/// Counts the request and answers it as the mode says; `None`: answer normally.
-async fn gate(shared: &Shared, kind: &str, headers: &HeaderMap) -> Option<Response> {
+fn failure(status: u16) -> (StatusCode, Value) {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        status,
+        json!({ "error": { "type": "api_error", "message": "the fake is failing" } }),
+    )
+}
+
+/// Counts the request, holds it while stalled, and checks the secret key.
+/// `Ok` with the mode (a handler answers a failure itself), or the answer.
+async fn gate(shared: &Shared, kind: &str, headers: &HeaderMap) -> Result<Mode, Response> {
     let mode = {
         let mut inner = shared.inner.lock().expect("fake Stripe state");
         *inner.seen.entry(kind.to_owned()).or_insert(0) += 1;
         inner.mode.unwrap_or(Mode::Normal)
     };
-    match mode {
-        Mode::Normal => {}
-        Mode::Fail(status) => {
-            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            return Some(error(status, "api_error", "the fake is failing"));
-        }
-        Mode::Stall => {
-            std::future::pending::<()>().await;
-        }
+    if mode == Mode::Stall {
+        std::future::pending::<()>().await;
     }
     let expected = format!("Bearer {}", shared.secret_key);
     if headers.get("authorization").and_then(|v| v.to_str().ok()) != Some(expected.as_str()) {
-        return Some(error(
+        return Err(error(
             StatusCode::UNAUTHORIZED,
             "invalid_request_error",
             "Invalid API Key provided",
         ));
     }
-    None
+    Ok(mode)
+}
+
+/// [`gate`] for a request that keeps nothing: a failure answered at once.
+async fn gate_plain(shared: &Shared, kind: &str, headers: &HeaderMap) -> Option<Response> {
+    match gate(shared, kind, headers).await {
+        Err(answer) => Some(answer),
+        Ok(Mode::Fail(status)) => {
+            let (status, body) = failure(status);
+            Some((status, axum::Json(body)).into_response())
+        }
+        Ok(_) => None,
+    }
 }
 
 async fn create(
@@ -223,9 +244,10 @@ async fn create(
     headers: HeaderMap,
     Form(params): Form<Vec<(String, String)>>,
 ) -> Response {
-    if let Some(answer) = gate(&shared, "POST /v1/checkout/sessions", &headers).await {
-        return answer;
-    }
+    let mode = match gate(&shared, "POST /v1/checkout/sessions", &headers).await {
+        Ok(mode) => mode,
+        Err(answer) => return answer,
+    };
     let param = |name: &str| {
         params
             .iter()
@@ -238,7 +260,7 @@ async fn create(
         .map(str::to_owned);
     let mut inner = shared.inner.lock().expect("fake Stripe state");
     if let Some(key) = &key {
-        if let Some((first, answer)) = inner.keys.get(key) {
+        if let Some((first, status, answer)) = inner.keys.get(key) {
             let (mut a, mut b) = (first.clone(), params.clone());
             a.sort();
             b.sort();
@@ -250,12 +272,19 @@ async fn create(
                 );
             }
             return (
-                StatusCode::OK,
+                *status,
                 [("idempotent-replayed", "true")],
                 axum::Json(answer.clone()),
             )
                 .into_response();
         }
+    }
+    if let Mode::Fail(status) = mode {
+        let (status, body) = failure(status);
+        if let Some(key) = key {
+            inner.keys.insert(key, (params, status, body.clone()));
+        }
+        return (status, axum::Json(body)).into_response();
     }
     for required in [
         "mode",
@@ -311,7 +340,9 @@ async fn create(
     });
     inner.sessions.insert(id, session.clone());
     if let Some(key) = key {
-        inner.keys.insert(key, (params, session.clone()));
+        inner
+            .keys
+            .insert(key, (params, StatusCode::OK, session.clone()));
     }
     axum::Json(session).into_response()
 }
@@ -321,7 +352,7 @@ async fn retrieve(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    if let Some(answer) = gate(&shared, "GET /v1/checkout/sessions/{id}", &headers).await {
+    if let Some(answer) = gate_plain(&shared, "GET /v1/checkout/sessions/{id}", &headers).await {
         return answer;
     }
     match shared
@@ -345,7 +376,9 @@ async fn expire(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
-    if let Some(answer) = gate(&shared, "POST /v1/checkout/sessions/{id}/expire", &headers).await {
+    if let Some(answer) =
+        gate_plain(&shared, "POST /v1/checkout/sessions/{id}/expire", &headers).await
+    {
         return answer;
     }
     let mut inner = shared.inner.lock().expect("fake Stripe state");

@@ -113,45 +113,71 @@ async fn a_completed_session_cannot_be_expired_and_reads_paid() {
     ));
 }
 
+/// Stripe failing: tried again, then reported; a failure Stripe keeps under
+/// a key is answered to that key for good, so only a new key succeeds.
 #[tokio::test]
-async fn stripe_down_or_silent_is_tried_again_then_unreachable() {
+async fn stripe_failing_or_silent_is_tried_again_then_reported() {
     let stripe = FakeStripe::start(KEY, WEBHOOK).await;
     let c = client(&stripe, KEY, 300, 3);
+    let create = "POST /v1/checkout/sessions";
+    let retrieve = "GET /v1/checkout/sessions/{id}";
     stripe.mode(Mode::Fail(503));
-    let kind = "POST /v1/checkout/sessions";
     assert!(matches!(
-        c.create_session(&checkout("9", 1), "shop:9:1").await,
+        c.retrieve_session("cs_any").await,
         Err(StripeError::Unreachable(_))
     ));
-    assert_eq!(stripe.requests(kind), 3, "tried three times");
+    assert_eq!(stripe.requests(retrieve), 3, "tried three times");
+    // A creation's failure is kept under its key: the next try is answered
+    // the same, marked replayed, and not tried again.
+    assert!(matches!(
+        c.create_session(&checkout("9", 1), "shop:9:1").await,
+        Err(StripeError::KeyUsedUp(503))
+    ));
+    assert_eq!(
+        stripe.requests(create),
+        2,
+        "the first try, and one replayed"
+    );
     // A refusal is not tried again.
     stripe.mode(Mode::Fail(402));
     assert!(matches!(
-        c.create_session(&checkout("9", 1), "shop:9:1").await,
+        c.retrieve_session("cs_any").await,
         Err(StripeError::Refused { status: 402, .. })
     ));
-    assert_eq!(stripe.requests(kind), 4);
-    // Silent: each attempt ends at the time limit.
+    assert_eq!(stripe.requests(retrieve), 4);
+    // Silent: each of the three tries ends at the time limit.
     stripe.mode(Mode::Stall);
     let started = Instant::now();
     assert!(matches!(
         c.retrieve_session("cs_any").await,
         Err(StripeError::Unreachable(_))
     ));
+    let took = started.elapsed();
+    assert_eq!(stripe.requests(retrieve), 7);
     assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        started.elapsed()
+        took >= Duration::from_millis(900) && took < Duration::from_secs(5),
+        "{took:?}"
     );
-    // Back: the same key makes the one session.
+    // Back: the used-up key still answers its failure; a new key makes the
+    // one session, however often it is tried.
     stripe.mode(Mode::Normal);
-    c.create_session(&checkout("9", 1), "shop:9:1")
+    assert!(matches!(
+        c.create_session(&checkout("9", 1), "shop:9:1").await,
+        Err(StripeError::KeyUsedUp(503))
+    ));
+    c.create_session(&checkout("9", 1), "shop:9:2")
         .await
         .expect("created");
-    c.create_session(&checkout("9", 1), "shop:9:1")
+    c.create_session(&checkout("9", 1), "shop:9:2")
         .await
         .expect("replayed");
     assert_eq!(stripe.sessions().len(), 1);
+    // What is not a session id never reaches Stripe.
+    assert!(matches!(
+        c.retrieve_session("../customers").await,
+        Err(StripeError::Refused { status: 400, .. })
+    ));
+    assert_eq!(stripe.requests(retrieve), 7);
 }
 
 #[tokio::test]

@@ -1,10 +1,15 @@
 //! Stripe's Checkout Sessions API, as the provider uses it: create a session
-//! for an order, retrieve it, expire it. Every call has a time limit; a
-//! network error, a time-out, a `429` or a `5xx` is tried again with
-//! backoff, a creation with the same `Idempotency-Key` (Stripe then answers
-//! the first creation's session, never a second one); any other answer is the
-//! provider's refusal, returned as it came. The secret key goes in the
-//! `Authorization` header only and is never logged or shown.
+//! for an order, retrieve it, expire it. Every request has a time limit.
+//! What is tried again, with backoff (capped, with jitter, after the
+//! `Retry-After` Stripe asks for): a network error or time-out, `409` (the same
+//! `Idempotency-Key` still being served), `429`, and a `5xx`; but never what
+//! Stripe's `Stripe-Should-Retry: false` says not to, and never a `5xx` that
+//! Stripe replays from an earlier try of the same key (`Idempotent-Replayed`:
+//! Stripe keeps a key's first answer, failures included, so only a new key
+//! can succeed: [`StripeError::KeyUsedUp`]). A creation is tried again under
+//! the same key, so Stripe answers the first creation's session, never a
+//! second one. Any other answer is Stripe's refusal, returned as it came. The
+//! secret key goes in the `Authorization` header only and is never shown.
 
 use std::time::Duration;
 
@@ -56,6 +61,10 @@ pub enum StripeError {
     /// creation or an expiry took effect is unknown (try again later).
     #[error("Stripe could not be reached: {0}")]
     Unreachable(String),
+    /// Stripe keeps a failure under this `Idempotency-Key` and answers it to
+    /// every try: a new key is needed.
+    #[error("Stripe keeps a failure ({0}) under this Idempotency-Key")]
+    KeyUsedUp(u16),
     /// Stripe answered and refused (`4xx`): nothing changed.
     #[error("Stripe refused ({status}): {message}")]
     Refused {
@@ -87,6 +96,11 @@ impl std::fmt::Debug for StripeClient {
     }
 }
 
+/// The most requests one call makes.
+pub const MAX_ATTEMPTS: u32 = 10;
+/// The longest wait between two of them.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
 #[derive(Deserialize)]
 struct ErrorBody {
     error: ErrorDetail,
@@ -109,6 +123,9 @@ impl StripeClient {
         timeout: Duration,
         attempts: u32,
     ) -> anyhow::Result<Self> {
+        if attempts > MAX_ATTEMPTS {
+            anyhow::bail!("at most {MAX_ATTEMPTS} attempts per call to Stripe, not {attempts}");
+        }
         let http = reqwest::Client::builder()
             .connect_timeout(timeout)
             .timeout(timeout)
@@ -161,14 +178,18 @@ impl StripeClient {
 
     /// `GET /v1/checkout/sessions/{id}`.
     pub async fn retrieve_session(&self, id: &str) -> Result<Session, StripeError> {
-        let url = format!("{}/v1/checkout/sessions/{id}", self.base);
+        let url = format!("{}/v1/checkout/sessions/{}", self.base, session_id(id)?);
         self.call(|| self.http.get(&url)).await
     }
 
     /// `POST /v1/checkout/sessions/{id}/expire`: refused (`400`) once the
     /// session is no longer open (completed, or expired already).
     pub async fn expire_session(&self, id: &str) -> Result<Session, StripeError> {
-        let url = format!("{}/v1/checkout/sessions/{id}/expire", self.base);
+        let url = format!(
+            "{}/v1/checkout/sessions/{}/expire",
+            self.base,
+            session_id(id)?
+        );
         self.call(|| self.http.post(&url)).await
     }
 
@@ -177,14 +198,17 @@ impl StripeClient {
         request: impl Fn() -> reqwest::RequestBuilder,
     ) -> Result<Session, StripeError> {
         let mut backoff = self.first_backoff;
+        let mut asked: Option<Duration> = None;
         let mut last = String::new();
         for attempt in 1..=self.attempts {
             if attempt > 1 {
-                // Up to half again, so that many callers do not retry in step.
+                // Up to half again, so that many callers do not retry in step;
+                // never less than Stripe asked for, never more than the cap.
                 let jitter =
                     backoff.mul_f64(f64::from(uuid::Uuid::new_v4().as_u128() as u16) / 131_070.0);
-                tokio::time::sleep(backoff + jitter).await;
-                backoff *= 2;
+                let wait = asked.take().unwrap_or_default().max(backoff + jitter);
+                tokio::time::sleep(wait.min(MAX_BACKOFF)).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
             }
             let sent = request()
                 .bearer_auth(self.secret_key.expose_secret())
@@ -199,6 +223,18 @@ impl StripeClient {
                 }
             };
             let status = answer.status();
+            let header = |name: &str| {
+                answer
+                    .headers()
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned)
+            };
+            let should_retry = header("stripe-should-retry");
+            let replayed = header("idempotent-replayed").as_deref() == Some("true");
+            asked = header("retry-after")
+                .and_then(|s| s.parse::<u64>().ok())
+                .map(Duration::from_secs);
             let body = match answer.bytes().await {
                 Ok(body) => body,
                 Err(err) => {
@@ -211,9 +247,22 @@ impl StripeClient {
                     StripeError::Unreachable(format!("an answer that is not a session: {e}"))
                 });
             }
-            if status.as_u16() == 429 || status.is_server_error() {
+            if status.is_server_error() && replayed {
+                return Err(StripeError::KeyUsedUp(status.as_u16()));
+            }
+            let again = match should_retry.as_deref() {
+                Some("true") => true,
+                Some("false") => false,
+                _ => matches!(status.as_u16(), 409 | 429) || status.is_server_error(),
+            };
+            if again {
                 last = format!("{status}");
                 continue;
+            }
+            if status.is_server_error() {
+                return Err(StripeError::Unreachable(format!(
+                    "{status}, not to be tried again"
+                )));
             }
             let detail = serde_json::from_slice::<ErrorBody>(&body)
                 .ok()
@@ -231,5 +280,22 @@ impl StripeClient {
             "{} attempts, the last: {last}",
             self.attempts
         )))
+    }
+}
+
+/// A session id as Stripe makes them (`cs_…`), safe in a URL's path.
+fn session_id(id: &str) -> Result<&str, StripeError> {
+    let fine = !id.is_empty()
+        && id.len() <= 255
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    if fine {
+        Ok(id)
+    } else {
+        Err(StripeError::Refused {
+            status: 400,
+            kind: "invalid_request_error".into(),
+            code: None,
+            message: "not a Checkout Session id".into(),
+        })
     }
 }

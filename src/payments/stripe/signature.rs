@@ -33,12 +33,17 @@ pub fn verify(header: &str, body: &[u8], secret: &[u8], now: i64) -> Result<(), 
     let mut signatures = Vec::new();
     for part in header.split(',') {
         match part.trim().split_once('=') {
-            Some(("t", t)) => timestamp = t.parse::<i64>().ok(),
+            // The first, as Stripe's own libraries read it.
+            Some(("t", t)) if timestamp.is_none() => timestamp = Some(t.parse::<i64>().ok()),
             Some(("v1", hex)) => signatures.push(hex),
             _ => {}
         }
     }
-    let t = timestamp.ok_or(SignatureError::NoTimestamp)?;
+    let t = timestamp.flatten().ok_or(SignatureError::NoTimestamp)?;
+    // An empty secret would let anyone sign.
+    if secret.is_empty() {
+        return Err(SignatureError::Mismatch);
+    }
     if signatures.is_empty() {
         return Err(SignatureError::NoSignature);
     }
@@ -135,6 +140,23 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_secret_verifies_nothing() {
+        let header = format!("t={T},v1={GOOD}");
+        assert_eq!(verify(&header, BODY, b"", T), Err(SignatureError::Mismatch));
+    }
+
+    #[test]
+    fn timestamps_at_the_ends_of_the_range_do_not_overflow() {
+        for (t, now) in [(i64::MIN, i64::MAX), (i64::MAX, i64::MIN), (i64::MIN, 0)] {
+            let header = format!("t={t},v1={GOOD}");
+            assert_eq!(
+                verify(&header, BODY, SECRET, now),
+                Err(SignatureError::OutsideTolerance)
+            );
+        }
+    }
+
+    #[test]
     fn a_timestamp_past_the_tolerance_either_side_is_refused() {
         let header = format!("t={T},v1={GOOD}");
         for now in [T + TOLERANCE_SECS + 1, T - TOLERANCE_SECS - 1] {
@@ -155,6 +177,10 @@ mod tests {
             (format!("t={T},v0={GOOD}"), SignatureError::NoSignature),
             (format!("t={T},v1="), SignatureError::Mismatch),
             (format!("t={T},v1={}", &GOOD[1..]), SignatureError::Mismatch),
+            (
+                format!("t=soon,t={T},v1={GOOD}"),
+                SignatureError::NoTimestamp,
+            ),
         ] {
             assert_eq!(verify(&header, BODY, SECRET, T), Err(why), "{header:?}");
         }
