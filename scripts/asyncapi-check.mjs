@@ -7,6 +7,10 @@ import { readFileSync } from "node:fs";
 import { createRequire } from "node:module";
 
 const [tools, file, ...payloads] = process.argv.slice(2);
+if (payloads.length % 2 !== 0) {
+  console.error("usage: asyncapi-check.mjs <tools> <document> [<message> <payload.json>]...");
+  process.exit(2);
+}
 const require = createRequire(`${tools}/node_modules/`);
 const { Parser, fromFile } = require("@asyncapi/parser");
 // The JSON Schema validator the parser itself runs on.

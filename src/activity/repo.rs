@@ -141,10 +141,12 @@ impl ActivityRepo {
     }
 
     /// Whether MySQL has the price columns: once found, for good; while not,
-    /// looked for again at most every [`PRICE_COLUMNS_EVERY`].
-    pub async fn priced(&self) -> bool {
+    /// looked for again at most every [`PRICE_COLUMNS_EVERY`]. A lookup that
+    /// fails is an error, never "no columns": a sale is never read without the
+    /// price MySQL holds for it.
+    pub async fn priced(&self) -> Result<bool, sqlx::Error> {
         if self.prices.present.load(Ordering::Relaxed) {
-            return true;
+            return Ok(true);
         }
         {
             let missed = self
@@ -153,45 +155,36 @@ impl ActivityRepo {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
             if missed.is_some_and(|at| at.elapsed() < PRICE_COLUMNS_EVERY) {
-                return false;
+                return Ok(false);
             }
         }
-        let found: Result<i64, sqlx::Error> = sqlx::query_scalar(
+        let found: i64 = sqlx::query_scalar(
             "SELECT COUNT(*) FROM information_schema.COLUMNS \
              WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'activities' \
              AND COLUMN_NAME IN ('price', 'currency')",
         )
         .fetch_one(&self.pool)
-        .await;
-        match found {
-            Ok(2) => {
-                self.prices.present.store(true, Ordering::Relaxed);
-                true
-            }
-            Ok(_) => {
-                tracing::warn!("MySQL has no price columns yet (run `flashsale migrate` once every instance runs this release): sales are read without a price, and one with a price cannot be created until then");
-                *self
-                    .prices
-                    .missed_at
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now());
-                false
-            }
-            // Whatever the query that follows would have met: it says so.
-            Err(err) => {
-                tracing::warn!(error = %err, "could not look for MySQL's price columns");
-                false
-            }
+        .await?;
+        if found == 2 {
+            self.prices.present.store(true, Ordering::Relaxed);
+            return Ok(true);
         }
+        tracing::warn!("MySQL has no price columns yet (run `flashsale migrate` once every instance runs this release): sales are read without a price, and one with a price cannot be created until then");
+        *self
+            .prices
+            .missed_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(std::time::Instant::now());
+        Ok(false)
     }
 
     /// The columns an activity is read with.
-    async fn columns(&self) -> &'static str {
-        if self.priced().await {
+    async fn columns(&self) -> Result<&'static str, sqlx::Error> {
+        Ok(if self.priced().await? {
             COLUMNS
         } else {
             COLUMNS_UNPRICED
-        }
+        })
     }
 
     pub fn pool(&self) -> &MySqlPool {
@@ -202,6 +195,13 @@ impl ActivityRepo {
     /// The SKU's row in `sku_locks` is locked for the transaction, so two concurrent
     /// creations for one SKU are checked one after the other.
     pub async fn create(&self, a: &ValidActivity) -> Result<Activity, CreateError> {
+        // Looked up before any lock is held: the lookup takes a connection of
+        // its own.
+        let priced = self.priced().await?;
+        let columns = self.columns().await?;
+        if !priced && a.price.is_some() {
+            return Err(CreateError::NoPriceColumns);
+        }
         // The lock row is created outside the transaction (autocommit): two
         // transactions inserting the same new row would deadlock on it.
         sqlx::query("INSERT IGNORE INTO sku_locks (sku) VALUES (?)")
@@ -226,10 +226,6 @@ impl ActivityRepo {
                 sku: a.sku.clone(),
                 other,
             });
-        }
-        let priced = self.priced().await;
-        if !priced && a.price.is_some() {
-            return Err(CreateError::NoPriceColumns);
         }
         let insert = if priced {
             "INSERT INTO activities \
@@ -265,7 +261,7 @@ impl ActivityRepo {
             }
             Err(e) => return Err(e.into()),
         }
-        let activity = fetch(&mut *tx, self.columns().await, &a.id)
+        let activity = fetch(&mut *tx, columns, &a.id)
             .await?
             .ok_or(sqlx::Error::RowNotFound)?;
         tx.commit().await?;
@@ -273,13 +269,13 @@ impl ActivityRepo {
     }
 
     pub async fn get(&self, id: &str) -> Result<Option<Activity>, sqlx::Error> {
-        fetch(&self.pool, self.columns().await, id).await
+        fetch(&self.pool, self.columns().await?, id).await
     }
 
     /// Activities the cache keeps: every one that has not ended, and those that
     /// ended in the last `ended_within` (so `GET /flash/{sku}` can say "ended").
     pub async fn list_recent(&self, since: DateTime<Utc>) -> Result<Vec<Activity>, sqlx::Error> {
-        let columns = self.columns().await;
+        let columns = self.columns().await?;
         sqlx::query_as(&format!(
             "SELECT {columns} FROM activities WHERE ends_at >= ? ORDER BY starts_at"
         ))
@@ -297,7 +293,7 @@ impl ActivityRepo {
         ended_before: DateTime<Utc>,
         limit: u32,
     ) -> Result<Vec<Activity>, sqlx::Error> {
-        let columns = self.columns().await;
+        let columns = self.columns().await?;
         sqlx::query_as(&format!(
             "(SELECT {columns} FROM activities \
               WHERE redis_removing = TRUE AND redis_removed_at IS NULL LIMIT ?) \
@@ -336,7 +332,7 @@ impl ActivityRepo {
 
     /// The newest activities first, at most `limit`.
     pub async fn list(&self, limit: u32) -> Result<Vec<Activity>, sqlx::Error> {
-        let columns = self.columns().await;
+        let columns = self.columns().await?;
         sqlx::query_as(&format!(
             "SELECT {columns} FROM activities ORDER BY created_at DESC, id LIMIT ?"
         ))
@@ -405,6 +401,8 @@ impl ActivityRepo {
     /// takes it too). Returns the activity and the top-up's Redis key; Redis gets
     /// the units from the caller (`StockStore::top_up`), or from the reconciler.
     pub async fn top_up(&self, id: &str, units: u32) -> Result<(Activity, String), TopUpError> {
+        // Before the row lock: the lookup takes a connection of its own.
+        let columns = self.columns().await?;
         let mut tx = self.pool.begin().await?;
         let row: Option<(i64,)> =
             sqlx::query_as("SELECT CAST(stock AS SIGNED) FROM activities WHERE id = ? FOR UPDATE")
@@ -434,7 +432,7 @@ impl ActivityRepo {
             .bind(units)
             .execute(&mut *tx)
             .await?;
-        let activity = fetch(&mut *tx, self.columns().await, id)
+        let activity = fetch(&mut *tx, columns, id)
             .await?
             .ok_or(sqlx::Error::RowNotFound)?;
         tx.commit().await?;

@@ -281,7 +281,10 @@ async fn create(
     }
     if let Mode::Fail(status) = mode {
         let (status, body) = failure(status);
-        if let Some(key) = key {
+        // Stripe keeps what the endpoint answered (a 5xx, a card's 402),
+        // never a rate limit or a conflict met before it ran.
+        let kept = status.is_server_error() || status == StatusCode::PAYMENT_REQUIRED;
+        if let Some(key) = key.filter(|_| kept) {
             inner.keys.insert(key, (params, status, body.clone()));
         }
         return (status, axum::Json(body)).into_response();

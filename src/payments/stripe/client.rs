@@ -1,7 +1,8 @@
 //! Stripe's Checkout Sessions API, as the provider uses it: create a session
 //! for an order, retrieve it, expire it. Every request has a time limit.
 //! What is tried again, with backoff (capped, with jitter, after the
-//! `Retry-After` Stripe asks for): a network error or time-out, `409` (the same
+//! `Retry-After` Stripe asks for; a longer wait ends the call): a network
+//! error or time-out, `409` (the same
 //! `Idempotency-Key` still being served), `429`, and a `5xx`; but never what
 //! Stripe's `Stripe-Should-Retry: false` says not to, and never a `5xx` that
 //! Stripe replays from an earlier try of the same key (`Idempotent-Replayed`:
@@ -235,6 +236,14 @@ impl StripeClient {
             asked = header("retry-after")
                 .and_then(|s| s.parse::<u64>().ok())
                 .map(Duration::from_secs);
+            // A wait longer than this call may take: asking again sooner would
+            // only land inside it.
+            if asked.is_some_and(|wait| wait > MAX_BACKOFF) {
+                return Err(StripeError::Unreachable(format!(
+                    "{status}, asked to wait {}s",
+                    asked.unwrap_or_default().as_secs()
+                )));
+            }
             let body = match answer.bytes().await {
                 Ok(body) => body,
                 Err(err) => {
