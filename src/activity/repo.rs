@@ -30,6 +30,15 @@ const COLUMNS: &str = columns!("price, CAST(currency AS CHAR) AS currency");
 const COLUMNS_UNPRICED: &str =
     columns!("CAST(NULL AS SIGNED) AS price, CAST(NULL AS CHAR) AS currency");
 
+/// The columns an activity is read with, as MySQL has the price columns or not.
+fn columns_for(priced: bool) -> &'static str {
+    if priced {
+        COLUMNS
+    } else {
+        COLUMNS_UNPRICED
+    }
+}
+
 /// How often a repository that found no price columns looks again.
 const PRICE_COLUMNS_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -180,11 +189,7 @@ impl ActivityRepo {
 
     /// The columns an activity is read with.
     async fn columns(&self) -> Result<&'static str, sqlx::Error> {
-        Ok(if self.priced().await? {
-            COLUMNS
-        } else {
-            COLUMNS_UNPRICED
-        })
+        Ok(columns_for(self.priced().await?))
     }
 
     pub fn pool(&self) -> &MySqlPool {
@@ -198,7 +203,7 @@ impl ActivityRepo {
         // Looked up before any lock is held: the lookup takes a connection of
         // its own.
         let priced = self.priced().await?;
-        let columns = self.columns().await?;
+        let columns = columns_for(priced);
         if !priced && a.price.is_some() {
             return Err(CreateError::NoPriceColumns);
         }

@@ -514,10 +514,21 @@ async fn the_development_secrets_are_refused_on_a_public_address() {
         "FLASHSALE__SERVER__ADDR",
         format!("0.0.0.0:{}", testkit::process::free_port()),
     );
-    // The refusal is the log's last lines, not a backtrace the environment asked for.
+    let log = refused_at_start(&env, dir.path()).await;
+    assert!(
+        log.contains("refusing to start")
+            && log.contains("auth.admin_token")
+            && log.contains("loopback"),
+        "{log}"
+    );
+}
+
+/// Runs `flashsale serve` with `env`, waits for it to exit unsuccessfully and
+/// returns its log's last lines: the refusal, not a backtrace (turned off).
+async fn refused_at_start(env: &testkit::process::Env, dir: &std::path::Path) -> String {
+    let mut env = env.clone();
     env.set("RUST_BACKTRACE", "0");
-    let mut serve =
-        testkit::process::flashsale(&["serve"], &env, dir.path().join("serve.log"), "serve");
+    let mut serve = testkit::process::flashsale(&["serve"], &env, dir.join("serve.log"), "serve");
     let exited = eventually(Duration::from_secs(20), "serve to refuse to start", || {
         let exited = serve.try_wait();
         async move { exited }
@@ -525,12 +536,7 @@ async fn the_development_secrets_are_refused_on_a_public_address() {
     .await;
     let log = serve.log_tail(20);
     assert!(!exited, "exited with success:\n{log}");
-    assert!(
-        log.contains("refusing to start")
-            && log.contains("auth.admin_token")
-            && log.contains("loopback"),
-        "{log}"
-    );
+    log
 }
 
 /// In production, orders paid on their owners' word (`payments.provider =
@@ -547,18 +553,9 @@ async fn production_refuses_unverified_payments_unless_allowed() {
         "FLASHSALE__AUTH__USER_TOKEN_SECRET",
         "a-production-user-secret-1",
     );
-    env.set("RUST_BACKTRACE", "0");
     let port = testkit::process::free_port();
     env.set("FLASHSALE__SERVER__ADDR", format!("127.0.0.1:{port}"));
-    let mut serve =
-        testkit::process::flashsale(&["serve"], &env, dir.path().join("serve.log"), "serve");
-    let exited = eventually(Duration::from_secs(20), "serve to refuse to start", || {
-        let exited = serve.try_wait();
-        async move { exited }
-    })
-    .await;
-    let log = serve.log_tail(20);
-    assert!(!exited, "exited with success:\n{log}");
+    let log = refused_at_start(&env, dir.path()).await;
     assert!(
         log.contains("refusing to start") && log.contains("FLASHSALE__PAYMENTS__ALLOW_UNVERIFIED"),
         "{log}"
